@@ -1,0 +1,58 @@
+"""aaren_jax: attention as a recurrent neural network, in JAX and Flax NNX.
+
+The core (``scan``) is pure functions; the modules wire parameters to it.
+"""
+
+from aaren_jax.attention import AarenAttention, CausalSelfAttention, KVCache
+from aaren_jax.blocks import AarenBlock, TransformerBlock
+from aaren_jax.deploy import LoadedStep, export_step, load_step, make_step_fn, stream
+from aaren_jax.models import Aaren, AarenCarry, Transformer, TransformerCarry
+from aaren_jax.rem import (
+    REMConfig,
+    REMState,
+    init_rem_params,
+    init_rem_state,
+    rem_apply,
+    rem_apply_bidirectional,
+    rem_matrices,
+    rem_matrix,
+    rem_step,
+)
+from aaren_jax.scan import (
+    AttentionState,
+    attention_step,
+    combine,
+    init_state,
+    prefix_attention,
+)
+
+__all__ = [
+    "Aaren",
+    "AarenAttention",
+    "AarenBlock",
+    "AarenCarry",
+    "CausalSelfAttention",
+    "KVCache",
+    "LoadedStep",
+    "Transformer",
+    "TransformerBlock",
+    "TransformerCarry",
+    "export_step",
+    "load_step",
+    "make_step_fn",
+    "stream",
+    "AttentionState",
+    "attention_step",
+    "combine",
+    "init_state",
+    "prefix_attention",
+    "REMConfig",
+    "REMState",
+    "init_rem_params",
+    "init_rem_state",
+    "rem_apply",
+    "rem_apply_bidirectional",
+    "rem_matrices",
+    "rem_matrix",
+    "rem_step",
+]

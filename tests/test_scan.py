@@ -1,0 +1,431 @@
+"""The scan core against an independent float64 brute force, and its numerical rules."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+import aaren_jax as aj
+
+METHODS = ("associative", "sequential", "chunked", "auto")
+
+
+def brute_force(scores, values, mask, initial=None):
+    """Softmax over every prefix, in float64 NumPy, one prefix at a time.
+
+    ``initial`` is an optional list of (score, value) pairs that come before all tokens.
+    """
+    scores = np.asarray(scores, np.float64)
+    values = np.asarray(values, np.float64)
+    mask = np.broadcast_to(np.asarray(mask, bool), scores.shape)
+    out = np.zeros(values.shape)
+    for t in range(scores.shape[-1]):
+        s = np.where(mask[..., : t + 1], scores[..., : t + 1], -np.inf)
+        v = values[..., : t + 1, :]
+        if initial is not None:
+            s = np.concatenate([initial[0], s], axis=-1)
+            v = np.concatenate([initial[1], v], axis=-2)
+        top = s.max(axis=-1, keepdims=True)
+        top = np.where(np.isneginf(top), 0.0, top)
+        e = np.exp(s - top)
+        den = e.sum(-1)
+        num = (e[..., None] * v).sum(-2)
+        out[..., t, :] = np.where(den[..., None] > 0, num / np.where(den > 0, den, 1)[..., None], 0)
+    return out
+
+
+def mask_kinds(rng, shape):
+    """Four rows of masks: none, random, left padding, all masked. [4, *shape]"""
+    length = shape[-1]
+    left = np.broadcast_to(np.arange(length) >= length // 2, shape)
+    return np.stack(
+        [np.ones(shape, bool), rng.random(shape) > 0.4, left, np.zeros(shape, bool)], axis=0
+    )
+
+
+@functools.cache
+def jitted(method, chunk_size=None):
+    return jax.jit(
+        lambda s, v, m: aj.prefix_attention(s, v, m, method=method, chunk_size=chunk_size)
+    )
+
+
+@functools.cache
+def jitted_step():
+    return jax.jit(aj.attention_step)
+
+
+def step_loop(scores, values, mask):
+    batch_shape, dim = scores.shape[:-1], values.shape[-1]
+    state = aj.init_state(batch_shape, dim)
+    outs = []
+    for t in range(scores.shape[-1]):
+        state, out = jitted_step()(state, scores[..., t], values[..., t, :], mask[..., t])
+        outs.append(out)
+    return jnp.stack(outs, axis=-2), state
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64, 257])
+@pytest.mark.parametrize("method", [*METHODS, "step"])
+def test_matches_float64_brute_force(method, length):
+    rng = np.random.default_rng(length)
+    masks = mask_kinds(rng, (3, length))  # [4, H=3, T]: every mask kind as a batch row
+    scores = (rng.normal(size=masks.shape) * 4).astype(np.float32)
+    values = rng.normal(size=(*masks.shape, 5)).astype(np.float32)
+    expected = brute_force(scores, values, masks)
+    if method == "step":
+        out, final = step_loop(jnp.asarray(scores), jnp.asarray(values), jnp.asarray(masks))
+    else:
+        chunk = 5 if method == "chunked" else None  # 5 divides none of the lengths but 1
+        out, final = jitted(method, chunk)(scores, values, masks)
+    chex.assert_shape(out, (4, 3, length, 5))
+    chex.assert_shape([final.m, final.u], (4, 3))
+    chex.assert_shape(final.w, (4, 3, 5))
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(_readout(final), expected[..., -1, :], atol=2e-6, rtol=2e-5)
+    # all-masked rows are exactly zero
+    assert np.all(np.asarray(out)[3] == 0)
+
+
+def _readout(state):
+    u = np.asarray(state.u, np.float64)
+    return np.where(u[..., None] > 0, np.asarray(state.w) / np.where(u > 0, u, 1)[..., None], 0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batch_shape", [(), (3,), (2, 3)])
+def test_leading_shapes(method, batch_shape):
+    rng = np.random.default_rng(1)
+    scores = rng.normal(size=(*batch_shape, 11)).astype(np.float32)
+    values = rng.normal(size=(*batch_shape, 11, 4)).astype(np.float32)
+    mask = rng.random(scores.shape) > 0.3
+    out, final = jitted(method, 4)(scores, values, mask)
+    chex.assert_shape(out, (*batch_shape, 11, 4))
+    chex.assert_shape(final.w, (*batch_shape, 4))
+    np.testing.assert_allclose(out, brute_force(scores, values, mask), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 8, 13, 64])
+@pytest.mark.parametrize("method", ["chunked", "auto"])
+def test_chunk_sizes(method, chunk_size):
+    rng = np.random.default_rng(chunk_size)
+    scores = rng.normal(size=(2, 37)).astype(np.float32) * 3
+    values = rng.normal(size=(2, 37, 3)).astype(np.float32)
+    mask = rng.random(scores.shape) > 0.3
+    out, _ = jitted(method, chunk_size)(scores, values, mask)
+    np.testing.assert_allclose(out, brute_force(scores, values, mask), atol=2e-6, rtol=2e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_step_loop_equals_parallel_carry_by_carry(method):
+    rng = np.random.default_rng(2)
+    scores = jnp.asarray(rng.normal(size=(2, 3, 9)) * 5, jnp.float32)
+    values = jnp.asarray(rng.normal(size=(2, 3, 9, 4)), jnp.float32)
+    mask = jnp.asarray(mask_kinds(rng, (9,))[[1, 2]][:, None].repeat(3, 1))
+    out_loop, final_loop = step_loop(scores, values, mask)
+    for t in (0, 4, 8):  # the parallel final state after t+1 tokens equals the loop's
+        out, final = jitted(method)(
+            scores[..., : t + 1], values[..., : t + 1, :], mask[..., : t + 1]
+        )
+        np.testing.assert_allclose(out, out_loop[..., : t + 1, :], atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(final.m, final_loop.m, rtol=1e-6)
+    np.testing.assert_allclose(final.u, final_loop.u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(final.w, final_loop.w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("split", [0, 1, 6, 13])
+def test_initial_state_continues_a_prefill(method, split):
+    rng = np.random.default_rng(3)
+    scores = rng.normal(size=(2, 13)).astype(np.float32) * 3
+    values = rng.normal(size=(2, 13, 4)).astype(np.float32)
+    mask = rng.random(scores.shape) > 0.2
+    full_out, full_final = jitted(method)(scores, values, mask)
+    _, prefill = jitted(method)(scores[:, :split], values[:, :split], mask[:, :split])
+
+    @jax.jit
+    def resume(state, s, v, m):
+        return aj.prefix_attention(s, v, m, initial_state=state, method=method)
+
+    tail_out, tail_final = resume(prefill, scores[:, split:], values[:, split:], mask[:, split:])
+    np.testing.assert_allclose(tail_out, full_out[:, split:], atol=1e-6, rtol=1e-5)
+    chex.assert_trees_all_close(tail_final, full_final, atol=1e-6, rtol=1e-5)
+    # and against the brute force with the prefill's tokens prepended
+    initial = (np.where(mask[:, :split], scores[:, :split], -np.inf), values[:, :split])
+    expected = brute_force(scores[:, split:], values[:, split:], mask[:, split:], initial)
+    np.testing.assert_allclose(tail_out, expected, atol=2e-6, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# The operator
+
+
+_summarise = jax.jit(lambda s, v, m: aj.prefix_attention(s, v, m, method="sequential")[1])
+_combine = jax.jit(aj.combine)
+
+
+def _random_state(seed, dim=3):
+    """The state of 1 to 4 tokens with scores of magnitude 0.1 to 1000."""
+    rng = np.random.default_rng(seed)
+    s = rng.normal(size=4) * 10 ** rng.uniform(-1, 3)
+    v = rng.normal(size=(4, dim))
+    mask = np.arange(4) < rng.integers(1, 5)
+    return _summarise(jnp.float32(s), jnp.float32(v), mask)
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+def _ratio(state):
+    return np.asarray(state.w) / np.asarray(state.u)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seeds, seeds, seeds)
+def test_combine_is_associative(sa, sb, sc):
+    a, b, c = _random_state(sa), _random_state(sb), _random_state(sc)
+    left = _combine(_combine(a, b), c)
+    right = _combine(a, _combine(b, c))
+    np.testing.assert_array_equal(left.m, right.m)
+    np.testing.assert_allclose(left.u, right.u, rtol=1e-5)
+    np.testing.assert_allclose(left.w, right.w, rtol=1e-5, atol=1e-5 * float(left.u))
+
+
+@settings(max_examples=200, deadline=None)
+@given(seeds)
+def test_combine_identity(seed):
+    a = _random_state(seed)
+    identity = aj.init_state((), a.w.shape[-1])
+    for merged in (_combine(identity, a), _combine(a, identity)):
+        chex.assert_trees_all_equal(merged, a)
+    chex.assert_trees_all_equal(_combine(identity, identity), identity)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seeds, st.floats(-1e3, 1e3, allow_nan=False))
+def test_combine_ratio_invariant_to_common_shift(seed, shift):
+    rng = np.random.default_rng(seed)
+    s = rng.normal(size=(2, 4)) * 5
+    v = jnp.float32(rng.normal(size=(2, 4, 3)))
+    mask = np.ones(4, bool)
+    states = [_summarise(jnp.float32(s[i]), v[i], mask) for i in range(2)]
+    shifted = [_summarise(jnp.float32(s[i] + shift), v[i], mask) for i in range(2)]
+    merged, merged_shifted = _combine(*states), _combine(*shifted)
+    np.testing.assert_allclose(_ratio(merged), _ratio(merged_shifted), rtol=2e-4, atol=2e-4)
+
+
+def test_combine_broadcasts():
+    a = aj.init_state((4, 1), 3)
+    b = aj.attention_step(aj.init_state((1, 2), 3), jnp.zeros((1, 2)), jnp.ones((1, 2, 3)))[0]
+    merged = aj.combine(a, b)
+    chex.assert_shape(merged.w, (4, 2, 3))
+    np.testing.assert_allclose(merged.w, 1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Hostile inputs
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("case", ["huge_positive", "huge_negative", "far_apart", "alternating"])
+def test_huge_scores(method, case):
+    rng = np.random.default_rng(4)
+    length = 19
+    if case == "huge_positive":
+        scores = 1e4 + rng.normal(size=length)
+    elif case == "huge_negative":
+        scores = -1e4 + rng.normal(size=length)
+    elif case == "far_apart":
+        scores = np.where(np.arange(length) % 3 == 0, 1e4, -1e4) + rng.normal(size=length)
+    else:
+        scores = np.where(np.arange(length) % 2 == 0, -1e4, 0.0) * np.arange(length)
+    scores = scores.astype(np.float32)[None]
+    values = rng.normal(size=(1, length, 3)).astype(np.float32)
+    mask = np.ones_like(scores, bool)
+    out, final = jitted(method, 4)(scores, values, mask)
+    np.testing.assert_allclose(out, brute_force(scores, values, mask), atol=1e-5, rtol=1e-5)
+    chex.assert_tree_all_finite((out, final.u, final.w))
+    grads = _grad(method)(jnp.asarray(scores), jnp.asarray(values), jnp.asarray(mask))
+    chex.assert_tree_all_finite(grads)
+
+
+@functools.cache
+def _grad(method):
+    def loss(s, v, m):
+        out, final = aj.prefix_attention(s, v, m, method=method, chunk_size=4)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(final.w) / jnp.maximum(jnp.sum(final.u), 1.0)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_masked_tokens_get_zero_gradient_and_empty_rows_are_finite(method):
+    rng = np.random.default_rng(5)
+    masks = mask_kinds(rng, (10,))  # none, random, left padding, all masked
+    scores = jnp.asarray(rng.normal(size=masks.shape) * 3, jnp.float32)
+    values = jnp.asarray(rng.normal(size=(*masks.shape, 3)), jnp.float32)
+    d_scores, d_values = _grad(method)(scores, values, jnp.asarray(masks))
+    chex.assert_tree_all_finite((d_scores, d_values))
+    assert np.all(np.asarray(d_scores)[~masks] == 0)
+    assert np.all(np.asarray(d_values)[~masks] == 0)
+    assert np.any(np.asarray(d_values)[masks] != 0)
+    out, final = jitted(method)(scores, values, jnp.asarray(masks))
+    assert np.all(np.asarray(out)[3] == 0) and float(final.u[3]) == 0.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bfloat16_inputs_keep_float32_state(method):
+    rng = np.random.default_rng(6)
+    scores = jnp.asarray(rng.normal(size=(2, 3, 40)) * 4, jnp.bfloat16)
+    values = jnp.asarray(rng.normal(size=(2, 3, 40, 8)), jnp.bfloat16)
+    mask = jnp.asarray(rng.random((2, 3, 40)) > 0.2)
+    out, final = jitted(method)(scores, values, mask)
+    assert out.dtype == jnp.bfloat16
+    assert final.m.dtype == final.u.dtype == final.w.dtype == jnp.float32
+    expected = brute_force(np.float32(scores), np.float32(values), mask)
+    # only the output's rounding to bfloat16 (8 bits of mantissa) is left
+    np.testing.assert_allclose(np.float32(out), expected, atol=1e-2, rtol=1e-2)
+    chex.assert_tree_all_finite(_grad(method)(scores, values, mask))
+
+
+def test_float64_inputs_keep_float64_state():
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(7)
+        scores = jnp.asarray(rng.normal(size=(2, 9)) * 30, jnp.float64)
+        values = jnp.asarray(rng.normal(size=(2, 9, 3)), jnp.float64)
+        mask = jnp.ones((2, 9), bool)
+        for method in METHODS:
+            out, final = aj.prefix_attention(scores, values, mask, method=method, chunk_size=4)
+            assert out.dtype == final.u.dtype == jnp.float64
+            np.testing.assert_allclose(out, brute_force(scores, values, mask), atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------
+# Gradients
+
+
+def _dense_reference(scores, values, mask):
+    """Masked softmax over each prefix as a dense T x T matrix: independent of the scan."""
+    length = scores.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    mask = jnp.broadcast_to(mask, scores.shape)
+    allowed = causal.reshape((1,) * (scores.ndim - 1) + causal.shape) & mask[..., None, :]
+    logits = jnp.where(allowed, scores[..., None, :], -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isneginf(top), 0.0, top)
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits - top, 0.0)), 0.0)
+    den = e.sum(-1, keepdims=True)
+    return jnp.where(den > 0, (e @ values) / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_match_float64_dense_softmax(method):
+    rng = np.random.default_rng(8)
+    masks = mask_kinds(rng, (12,))
+    scores_np = rng.normal(size=masks.shape) * 3
+    values_np = rng.normal(size=(*masks.shape, 4))
+    cot = rng.normal(size=values_np.shape)
+
+    def loss(fn, s, v):
+        return jnp.sum(fn(s, v) * cot)
+
+    with jax.enable_x64(True):
+        expected = jax.grad(
+            functools.partial(loss, lambda s, v: _dense_reference(s, v, masks)), (0, 1)
+        )(jnp.float64(scores_np), jnp.float64(values_np))
+    got = jax.jit(
+        jax.grad(
+            functools.partial(
+                loss,
+                lambda s, v: aj.prefix_attention(s, v, masks, method=method, chunk_size=5)[0],
+            ),
+            (0, 1),
+        )
+    )(jnp.float32(scores_np), jnp.float32(values_np))
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, np.asarray(e), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_final_state_and_initial_state_gradients(method):
+    """Gradients through the carried state, which prefill-then-continue training uses."""
+    rng = np.random.default_rng(9)
+    s1, s2 = rng.normal(size=(2, 5)) * 2, rng.normal(size=(2, 7)) * 2
+    v1, v2 = rng.normal(size=(2, 5, 3)), rng.normal(size=(2, 7, 3))
+    cot = rng.normal(size=(2, 7, 3))
+    w_cot = rng.normal(size=(2, 3))
+
+    def two_calls(a, b, c, d, m):
+        _, state = aj.prefix_attention(a, c, method=m, chunk_size=3)
+        out, final = aj.prefix_attention(b, d, initial_state=state, method=m, chunk_size=3)
+        return jnp.sum(out * cot) + jnp.sum(final.w / final.u[..., None] * w_cot)
+
+    def one_call(a, b, c, d):
+        out = _dense_reference(jnp.concatenate([a, b], -1), jnp.concatenate([c, d], -2), True)
+        return jnp.sum(out[..., 5:, :] * cot) + jnp.sum(out[..., -1, :] * w_cot)
+
+    with jax.enable_x64(True):
+        args64 = tuple(jnp.float64(x) for x in (s1, s2, v1, v2))
+        expected = jax.grad(one_call, (0, 1, 2, 3))(*args64)
+    args32 = tuple(jnp.float32(x) for x in (s1, s2, v1, v2))
+    got = jax.jit(jax.grad(two_calls, (0, 1, 2, 3)), static_argnums=4)(*args32, method)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, np.asarray(e), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_check_grads_second_order(method):
+    rng = np.random.default_rng(10)
+    mask = jnp.asarray([True, False, True, True, True, False, True])
+
+    def f(s, v):
+        return aj.prefix_attention(s, v, mask, method=method, chunk_size=3)[0]
+
+    # "auto" has a custom reverse-mode gradient (jax.custom_vjp): no forward mode.
+    modes = ("rev",) if method == "auto" else ("fwd", "rev")
+    with jax.enable_x64(True):
+        args = (jnp.float64(rng.normal(size=(2, 7))), jnp.float64(rng.normal(size=(2, 7, 3))))
+        check_grads(jax.jit(f), args, order=2, modes=modes)
+
+
+# ----------------------------------------------------------------------------------------
+# Errors
+
+
+def test_errors_name_the_argument_and_shapes():
+    s, v = jnp.zeros((2, 5)), jnp.zeros((2, 5, 3))
+    with pytest.raises(ValueError, match=r"values of shape \(2, 6, 3\).*\(2, 5\)"):
+        aj.prefix_attention(s, jnp.zeros((2, 6, 3)))
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 4\).*\(2, 5\)"):
+        aj.prefix_attention(s, v, jnp.ones((2, 4), bool))
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        aj.prefix_attention(s, v, jnp.ones((2, 5), jnp.int32))
+    with pytest.raises(TypeError, match="scores must have a floating dtype"):
+        aj.prefix_attention(jnp.zeros((2, 5), jnp.int32), v)
+    with pytest.raises(TypeError, match="values must have a floating dtype"):
+        aj.prefix_attention(s, jnp.zeros((2, 5, 3), jnp.int32))
+    with pytest.raises(ValueError, match="'associative', 'sequential', 'chunked'"):
+        aj.prefix_attention(s, v, method="fast")
+    with pytest.raises(ValueError, match="chunk_size"):
+        aj.prefix_attention(s, v, method="chunked", chunk_size=0)
+    with pytest.raises(ValueError, match=r"initial_state.w has shape \(2, 4\).*\(2, 3\)"):
+        aj.prefix_attention(s, v, initial_state=aj.init_state((2,), 4))
+    with pytest.raises(ValueError, match=r"initial_state.m has shape \(3,\).*\(2,\)"):
+        aj.prefix_attention(s, v, initial_state=aj.init_state((3,), 3))
+    with pytest.raises(ValueError, match=r"score of shape \(2,\).*\(3, 3\)"):
+        aj.attention_step(aj.init_state((2,), 3), jnp.zeros(2), jnp.zeros((3, 3)))
+    with pytest.raises(ValueError, match=r"state.w has shape \(2, 4\)"):
+        aj.attention_step(aj.init_state((2,), 4), jnp.zeros(2), jnp.zeros((2, 3)))
+
+
+def test_empty_sequence_returns_the_initial_state():
+    state = aj.attention_step(aj.init_state((2,), 3), jnp.ones(2), jnp.ones((2, 3)))[0]
+    out, final = aj.prefix_attention(jnp.zeros((2, 0)), jnp.zeros((2, 0, 3)), initial_state=state)
+    chex.assert_shape(out, (2, 0, 3))
+    chex.assert_trees_all_equal(final, state)
