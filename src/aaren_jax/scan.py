@@ -418,11 +418,11 @@ def prefix_attention(
     if scores.shape[-1] == 0:
         return jnp.zeros(values.shape, values.dtype), initial_state
     if method == "auto":
-        method = _auto_method(scores.shape[-1])
-    if method == "fused":
+        # The two-pass kernel was the fastest method at every length benchmarks/scan.py
+        # measured on CPU, forward and backward (README, results/scan_cpu.json).
         valid = jnp.ones(scores.shape, bool) if mask is None else mask
         block = _pick_chunk(scores.shape[-1], int(chunk_size))
-        outputs, final = _fused_attention(scores_acc, values_acc, valid, initial_state, block)
+        outputs, final = _blocked_attention(scores_acc, values_acc, valid, initial_state, block)
         return outputs.astype(values.dtype), final
 
     leaves = _leaves(scores_acc, values_acc, mask)
@@ -435,11 +435,6 @@ def prefix_attention(
     outputs = _readout(states.u, states.w).astype(values.dtype)
     final = AttentionState(states.m[..., -1], states.u[..., -1], states.w[..., -1, :])
     return outputs, final
-
-
-def _auto_method(num_tokens: int) -> str:
-    del num_tokens
-    return "fused"
 
 
 # ----------------------------------------------------------------------------------------
@@ -588,7 +583,7 @@ def _forward_readout(ref, sums, extras):
     return _readout(u, w), log_norm
 
 
-def _fused_forward(scores, values, valid, init, chunk_size):
+def _blocked_forward(scores, values, valid, init, chunk_size):
     masked_scores = jnp.where(valid, scores, -jnp.inf)
     (outputs, log_norm), (m, (u, w)) = _two_pass_scan(
         masked_scores,
@@ -604,17 +599,17 @@ def _fused_forward(scores, values, valid, init, chunk_size):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_attention(scores, values, valid, init, chunk_size):
-    outputs, final, _ = _fused_forward(scores, values, valid, init, chunk_size)
+def _blocked_attention(scores, values, valid, init, chunk_size):
+    outputs, final, _ = _blocked_forward(scores, values, valid, init, chunk_size)
     return outputs, final
 
 
-def _fused_fwd(scores, values, valid, init, chunk_size):
-    outputs, final, log_norm = _fused_forward(scores, values, valid, init, chunk_size)
+def _blocked_fwd(scores, values, valid, init, chunk_size):
+    outputs, final, log_norm = _blocked_forward(scores, values, valid, init, chunk_size)
     return (outputs, final), (scores, values, valid, init, outputs, log_norm, final.m)
 
 
-def _fused_bwd(chunk_size, residuals, cotangents):
+def _blocked_bwd(chunk_size, residuals, cotangents):
     scores, values, valid, init, outputs, log_norm, final_m = residuals
     d_outputs, d_final = cotangents
     delta = jnp.sum(d_outputs * outputs, axis=-1)
@@ -650,4 +645,4 @@ def _fused_bwd(chunk_size, residuals, cotangents):
     return d_scores, d_values, np.zeros(valid.shape, jax.dtypes.float0), d_init
 
 
-_fused_attention.defvjp(_fused_fwd, _fused_bwd)
+_blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
