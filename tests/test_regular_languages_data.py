@@ -2,13 +2,9 @@
 
 import itertools
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 from examples.regular_languages import data as rl  # noqa: E402
 

@@ -1,0 +1,29 @@
+"""Shared utilities of the aaren_jax examples: backbone, optimiser, checkpoints, loop, results.
+
+The examples run as scripts (``python examples/forecasting/main.py``) or as modules of the
+``examples`` namespace package (tests, ``python -m``); either way the repository root must be on
+``sys.path``, which each ``main.py`` and ``sweep.py`` ensures.
+"""
+
+from examples.common.backbone import BACKBONES, make_backbone
+from examples.common.checkpoint import CheckpointIO
+from examples.common.loop import LoopConfig, TrainResult, fit
+from examples.common.optim import OptimConfig, make_optimizer, weight_decay_mask
+from examples.common.progress import setup_logging
+from examples.common.results import append_record, load_records, record_key
+
+__all__ = [
+    "BACKBONES",
+    "CheckpointIO",
+    "LoopConfig",
+    "OptimConfig",
+    "TrainResult",
+    "append_record",
+    "fit",
+    "load_records",
+    "make_backbone",
+    "make_optimizer",
+    "record_key",
+    "setup_logging",
+    "weight_decay_mask",
+]

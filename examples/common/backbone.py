@@ -1,0 +1,52 @@
+"""The model factory: the same causal stack interface (SPEC 2.2) for Aaren and the Transformer."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+BACKBONES = ("aaren", "transformer")
+
+
+def make_backbone(
+    kind: str,
+    num_layers: int,
+    d_model: int,
+    num_heads: int,
+    d_ff: int,
+    *,
+    dropout: float = 0.0,
+    norm: str = "pre",
+    rngs: nnx.Rngs,
+) -> nnx.Module:
+    """Builds a causal stack, ``y = model(x, mask=None)`` with x, y [B, T, d] and mask [B, T].
+
+    Args:
+      kind: "aaren" or "transformer"; both get exactly the same hyperparameters.
+      num_layers: number of blocks.
+      d_model: model width d.
+      num_heads: attention heads H (d divisible by H).
+      d_ff: MLP hidden width.
+      dropout: dropout rate inside the blocks.
+      norm: "pre" or "post" LayerNorm.
+      rngs: parameter and dropout randomness.
+
+    Returns:
+      The ``aaren_jax.Aaren`` or ``aaren_jax.Transformer`` module.
+
+    Raises:
+      ValueError: for an unknown kind.
+    """
+    try:
+        import aaren_jax as aj
+    except ImportError:  # an uninstalled checkout: use src/
+        from examples.common.paths import ensure_importable
+
+        ensure_importable()
+        import aaren_jax as aj
+
+    classes = {"aaren": aj.Aaren, "transformer": aj.Transformer}
+    if kind not in classes:
+        raise ValueError(f"unknown backbone {kind!r}; expected one of {BACKBONES}")
+    return classes[kind](
+        num_layers, d_model, num_heads, d_ff, dropout=dropout, norm=norm, rngs=rngs
+    )

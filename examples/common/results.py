@@ -1,0 +1,38 @@
+"""JSON result records: a list of dicts in one file, appended atomically, for resumable sweeps."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+
+def load_records(path: str | os.PathLike) -> list[dict]:
+    """Reads the records of a results file; an absent file has none."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with path.open() as f:
+        records = json.load(f)
+    if not isinstance(records, list):
+        raise ValueError(f"{path} must hold a JSON list of records")
+    return records
+
+
+def record_key(record: Mapping, fields: Iterable[str]) -> tuple:
+    """The identity of a record: its values for ``fields`` (e.g. dataset, horizon, model, seed)."""
+    return tuple(record.get(f) for f in fields)
+
+
+def append_record(path: str | os.PathLike, record: Mapping) -> None:
+    """Appends one record, writing a temporary file first so that a crash cannot corrupt it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = load_records(path)
+    records.append(dict(record))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(records, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,92 @@
+"""Resumable sweep: dataset x horizon x model x seed, one JSON record per finished run.
+
+    python examples/forecasting/sweep.py                      # the paper's datasets, 5 seeds
+    python examples/forecasting/sweep.py --datasets ETTh1 --horizons 96 --seeds 0 --dry-run
+
+Records ``{"dataset", "horizon", "model", "seed", "mse", "mae", "wall_s", ...}`` are appended
+to ``results/forecasting.json``; runs already there are skipped, and an interrupted run resumes
+from its checkpoint in ``--workdir-root``. Every run uses the same default configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
+from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
+from examples.forecasting import configs, data, train  # noqa: E402
+
+KEY = ("dataset", "horizon", "model", "seed")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--datasets", nargs="+", default=list(configs.PAPER_DATASETS))
+    p.add_argument(
+        "--horizons", nargs="+", type=int, default=None, help="default: the dataset's protocol"
+    )
+    p.add_argument("--models", nargs="+", default=["aaren", "transformer"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--results", default=str(REPO_ROOT / "results" / "forecasting.json"))
+    p.add_argument(
+        "--workdir-root",
+        default=str(REPO_ROOT / "workdirs" / "forecasting"),
+        help="per-run checkpoints (deleted once the run's record is written)",
+    )
+    p.add_argument("--data-root", default=None, help="default: ../shared/data beside the repo")
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
+    p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return p.parse_args(argv)
+
+
+def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
+    """The (dataset, horizon, model, seed) runs not yet recorded, in sweep order."""
+    runs = []
+    for ds in args.datasets:
+        for h in args.horizons or configs.horizons_for(ds):
+            for model in args.models:
+                for seed in args.seeds:
+                    if (ds, h, model, seed) not in done:
+                        runs.append((ds, h, model, seed))
+    return runs
+
+
+def main(argv=None) -> None:
+    setup_logging()
+    ensure_importable()
+    args = parse_args(argv)
+    done = {record_key(r, KEY) for r in load_records(args.results)}
+    runs = pending_runs(args, done)
+    logging.info("%d runs done, %d pending", len(done), len(runs))
+    if args.dry_run:
+        for run in runs:
+            print(*run)  # the listing is the command's output
+        return
+    cache: dict[tuple, data.ForecastData] = {}
+    for n, (ds, h, model, seed) in enumerate(runs):
+        if args.max_runs is not None and n >= args.max_runs:
+            break
+        cfg = configs.get_config(ds, h, model, seed)
+        cfg.data.data_root = args.data_root
+        cfg.loop.progress = not args.no_progress
+        key = (ds, cfg.data.seq_len, h)
+        if key not in cache:
+            cache.clear()  # keep one dataset in memory
+            cache[key] = data.load_dataset(ds, cfg.data.seq_len, h, args.data_root)
+        workdir = Path(args.workdir_root) / f"{ds}_{h}_{model}_{seed}"
+        record = train.train_and_evaluate(cfg, str(workdir), data=cache[key])
+        append_record(args.results, record)
+        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
