@@ -1,0 +1,161 @@
+"""Renders the README's result tables from the JSON files in ``results/``.
+
+    python benchmarks/report.py                 # every table whose results exist
+    python benchmarks/report.py --only scan
+
+Each figure in a table is read from ``results/``; the paper's numbers beside ours are
+quoted from "Attention as an RNN" (Feng et al., 2024), Tables 3-5 and 4 (Appendix D).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+# Paper, Table 5 (Appendix D): MSE and MAE, mean +- std, for (Aaren, Transformer).
+PAPER_FORECASTING = {
+    ("ETTh1", 96): ((0.53, 0.04, 0.52, 0.02), (0.54, 0.01, 0.50, 0.01)),
+    ("ETTh1", 192): ((0.59, 0.03, 0.55, 0.01), (0.64, 0.05, 0.57, 0.02)),
+    ("ETTh1", 336): ((0.65, 0.03, 0.55, 0.01), (0.65, 0.02, 0.55, 0.01)),
+    ("ETTh1", 720): ((0.67, 0.05, 0.62, 0.02), (0.70, 0.05, 0.58, 0.02)),
+    ("ETTh2", 96): ((0.38, 0.02, 0.44, 0.02), (0.41, 0.04, 0.40, 0.02)),
+    ("ETTh2", 192): ((0.49, 0.03, 0.48, 0.02), (0.50, 0.03, 0.46, 0.01)),
+    ("ETTh2", 336): ((0.57, 0.05, 0.47, 0.02), (0.59, 0.03, 0.50, 0.01)),
+    ("ETTh2", 720): ((0.55, 0.03, 0.52, 0.01), (0.60, 0.03, 0.52, 0.01)),
+    ("ETTm1", 96): ((0.48, 0.02, 0.44, 0.01), (0.44, 0.01, 0.41, 0.01)),
+    ("ETTm1", 192): ((0.51, 0.03, 0.47, 0.01), (0.52, 0.05, 0.47, 0.01)),
+    ("ETTm1", 336): ((0.54, 0.02, 0.49, 0.01), (0.57, 0.03, 0.51, 0.01)),
+    ("ETTm1", 720): ((0.60, 0.03, 0.52, 0.01), (0.66, 0.06, 0.56, 0.02)),
+    ("ETTm2", 96): ((0.24, 0.03, 0.30, 0.02), (0.25, 0.01, 0.30, 0.01)),
+    ("ETTm2", 192): ((0.34, 0.04, 0.39, 0.02), (0.38, 0.02, 0.37, 0.01)),
+    ("ETTm2", 336): ((0.41, 0.03, 0.42, 0.01), (0.49, 0.05, 0.43, 0.02)),
+    ("ETTm2", 720): ((0.51, 0.03, 0.49, 0.02), (0.56, 0.02, 0.47, 0.01)),
+    ("weather", 96): ((0.18, 0.00, 0.23, 0.00), (0.18, 0.00, 0.23, 0.00)),
+    ("weather", 192): ((0.25, 0.01, 0.28, 0.00), (0.24, 0.01, 0.28, 0.00)),
+    ("weather", 336): ((0.31, 0.00, 0.32, 0.00), (0.31, 0.02, 0.34, 0.01)),
+    ("weather", 720): ((0.40, 0.00, 0.39, 0.00), (0.38, 0.02, 0.39, 0.01)),
+}
+# Paper, Table 4: accuracy (%), mean +- std, for (Aaren, Transformer).
+PAPER_CLASSIFICATION = {
+    "JapaneseVowels": ((96.65, 0.75), (96.38, 0.91)),
+    "Handwriting": ((27.39, 1.46), (26.54, 2.25)),
+}
+
+
+def _load(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _mean_std(values):
+    values = np.asarray(values, float)
+    return f"{values.mean():.3f} +- {values.std():.3f} (n={len(values)})"
+
+
+def scan_table():
+    report = _load("scan_cpu.json")
+    if report is None:
+        return None
+    lines = [
+        f"Machine: {report['machine']['processor']}, {report['machine']['cpu_count']} cores, "
+        f"jax {report['machine']['jax']} ({report['machine']['backend']}). "
+        f"Command: `{report['command']}`.",
+        "",
+        "| N | method | forward ms (median) | x floor | fwd+bwd ms (median) | x floor "
+        "| compile fwd / fwd+bwd s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        floor_f = row["floor_forward"]["median_ms"]
+        floor_b = row["floor_forward_backward"]["median_ms"]
+        lines.append(f"| {row['N']} | floor | {floor_f:.1f} | 1 | {floor_b:.1f} | 1 | |")
+        for method in ("auto", "associative", "sequential", "chunked"):
+            if method not in row:
+                continue
+            f, b = row[method]["forward"], row[method]["forward_backward"]
+            lines.append(
+                f"| {row['N']} | {method} | {f['median_ms']:.1f} | {f['ratio_to_floor']:.2f} "
+                f"| {b['median_ms']:.1f} | {b['ratio_to_floor']:.2f} "
+                f"| {f['compile_s']:.1f} / {b['compile_s']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def classification_table():
+    records = _load("classification.json")
+    if not records:
+        return None
+    by_key = defaultdict(list)
+    for r in records:
+        by_key[(r["dataset"], r["model"])].append(r)
+    lines = [
+        "| dataset | model | ours: accuracy % | paper | wall s per run |",
+        "|---|---|---|---|---|",
+    ]
+    for dataset, paper in PAPER_CLASSIFICATION.items():
+        for model, (p_mean, p_std) in zip(("aaren", "transformer"), paper, strict=True):
+            rows = by_key.get((dataset, model), [])
+            ours = (
+                f"{np.mean([r['accuracy'] for r in rows]):.2f} +- "
+                f"{np.std([r['accuracy'] for r in rows]):.2f} (n={len(rows)})"
+                if rows
+                else "not run yet"
+            )
+            wall = f"{np.mean([r['wall_s'] for r in rows]):.0f}" if rows else ""
+            lines.append(f"| {dataset} | {model} | {ours} | {p_mean} +- {p_std} | {wall} |")
+    return "\n".join(lines)
+
+
+def forecasting_table():
+    records = _load("forecasting.json")
+    if not records:
+        return None
+    by_key = defaultdict(list)
+    for r in records:
+        by_key[(r["dataset"], int(r["horizon"]), r["model"])].append(r)
+    lines = [
+        "| dataset | horizon | Aaren MSE (ours) | Aaren MSE (paper) | Transformer MSE (ours) "
+        "| Transformer MSE (paper) | Aaren MAE (ours) | Transformer MAE (ours) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (dataset, horizon), (paper_a, paper_t) in PAPER_FORECASTING.items():
+        a = by_key.get((dataset, horizon, "aaren"), [])
+        t = by_key.get((dataset, horizon, "transformer"), [])
+        if not a and not t:
+            continue
+
+        def cell(rows, key):
+            return _mean_std([r[key] for r in rows]) if rows else "not run yet"
+
+        lines.append(
+            f"| {dataset} | {horizon} | {cell(a, 'mse')} | {paper_a[0]} +- {paper_a[1]} "
+            f"| {cell(t, 'mse')} | {paper_t[0]} +- {paper_t[1]} | {cell(a, 'mae')} "
+            f"| {cell(t, 'mae')} |"
+        )
+    return "\n".join(lines)
+
+
+TABLES = {
+    "scan": scan_table,
+    "classification": classification_table,
+    "forecasting": forecasting_table,
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(TABLES), nargs="+", default=sorted(TABLES))
+    args = parser.parse_args()
+    for name in args.only:
+        table = TABLES[name]()
+        print(f"### {name}\n\n{table if table else '(no results yet)'}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Sequence parallelism: prefix attention with the time axis split across devices (SPEC 3).
+
+Each device holds a contiguous slice of time. It reduces its slice to one total state (one
+pass, no scan), the totals are exchanged with ``all_gather``, each device combines the
+totals of the devices before it (an exclusive prefix, O(devices) tiny combines), and runs
+its local scan from that state with ``prefix_attention(..., initial_state=...)``. The
+result equals one ``prefix_attention`` over the whole sequence; only ``3 + D`` numbers per
+query and device cross the interconnect. Batches split on another mesh axis with
+``NamedSharding`` as usual; multi-host runs use the same code after ``jax.distributed``.
+
+Shape notation: ``...`` leading axes, ``T`` time (split across devices), ``D`` value size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from aaren_jax.scan import AttentionState, combine, init_state, prefix_attention
+
+Array = jax.Array
+
+
+def _total(scores: Array, values: Array, mask: Array) -> AttentionState:
+    """The state of a whole slice in one reduction: (max s, sum e^(s-max), sum e^(s-max) v)."""
+    masked = jnp.where(mask, scores, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(masked, axis=-1))
+    ref = jnp.where(jnp.isneginf(m), 0.0, m)
+    weights = jnp.exp(masked - ref[..., None])  # exactly 0 where masked
+    return AttentionState(m, weights.sum(-1), jnp.einsum("...t,...td->...d", weights, values))
+
+
+def sequence_parallel_prefix_attention(
+    scores: Array,
+    values: Array,
+    mask: Array | None = None,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    batch_axis_name: str | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[Array, AttentionState]:
+    """``prefix_attention`` with time split over the mesh axis ``axis_name``.
+
+    Args:
+      scores: per-token scores. [..., T]
+      values: per-token values. [..., T, D]
+      mask: True where a token is attended; default all. [..., T]
+      mesh: the device mesh.
+      axis_name: mesh axis that splits time; T must be divisible by its size.
+      batch_axis_name: optional mesh axis that splits the first leading axis.
+      method: the local scan's method (see ``prefix_attention``).
+      chunk_size: the local scan's block size.
+
+    Returns:
+      ``(outputs [..., T, D], final_state)`` as ``prefix_attention`` gives them; the final
+      state covers the whole sequence and is replicated over ``axis_name``.
+
+    Raises:
+      ValueError: T not divisible by the axis size, or a batch axis on unbatched inputs.
+
+    Example:
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
+      >>> out, state = sequence_parallel_prefix_attention(s, v, mesh=mesh, axis_name="seq")
+    """
+    scores, values = jnp.asarray(scores), jnp.asarray(values)
+    if values.shape[:-1] != scores.shape:
+        raise ValueError(
+            f"values of shape {values.shape} must be scores' shape {scores.shape} plus a "
+            "value axis D: [..., T, D]"
+        )
+    mask = jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
+    num_shards = mesh.shape[axis_name]
+    if scores.shape[-1] % num_shards:
+        raise ValueError(
+            f"the time axis of scores {scores.shape} must be divisible by the {num_shards} "
+            f"devices of mesh axis {axis_name!r}"
+        )
+    batch_ndim = scores.ndim - 1
+    if batch_axis_name is not None and batch_ndim == 0:
+        raise ValueError("batch_axis_name needs scores with a leading batch axis")
+    lead = (batch_axis_name,) + (None,) * (batch_ndim - 1) if batch_ndim else ()
+    time_spec = PartitionSpec(*lead, axis_name)
+    value_spec = PartitionSpec(*lead, axis_name, None)
+    state_spec = AttentionState(
+        PartitionSpec(*lead), PartitionSpec(*lead), PartitionSpec(*lead, None)
+    )
+
+    def local(s, v, m):
+        totals = jax.lax.all_gather(_total(s, v, m), axis_name)  # [P, ...] on every device
+        index = jax.lax.axis_index(axis_name)
+        identity = init_state(s.shape[:-1], v.shape[-1], totals.u.dtype)
+        before, everything = identity, identity
+        for shard in range(num_shards):  # P is small and static: a short unrolled fold
+            total = jax.tree.map(lambda x, shard=shard: x[shard], totals)
+            everything = combine(everything, total)
+            keep = shard < index
+            before = jax.tree.map(
+                lambda x, y, keep=keep: jnp.where(keep, x, y), combine(before, total), before
+            )
+        outputs, _ = prefix_attention(
+            s, v, m, initial_state=before, method=method, chunk_size=chunk_size
+        )
+        return outputs, everything
+
+    accumulate = jnp.promote_types(jnp.result_type(scores, values), jnp.float32)
+    shard_mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(time_spec, value_spec, time_spec),
+        out_specs=(value_spec, state_spec),
+        check_vma=False,
+    )
+    inputs = (scores.astype(accumulate), values.astype(accumulate), mask)
+    specs = (time_spec, value_spec, time_spec)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # Explicit meshes do not reshard implicitly: place the slices where shard_map wants them.
+        inputs = tuple(
+            jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(inputs, specs, strict=True)
+        )
+    outputs, final = shard_mapped(*inputs)
+    return outputs.astype(values.dtype), final
