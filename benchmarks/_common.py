@@ -1,0 +1,92 @@
+"""Timing helpers shared by the benchmark scripts (not part of the library).
+
+Every timing blocks on its result (``jax.block_until_ready``) and is taken with
+``time.perf_counter``. The machines we run on are shared and noisy, so scripts report the
+minimum and the median of repeats, and compare variants timed in the same run (best:
+interleaved, so that every variant sees the same noise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def timed(fn: Callable, *args, **kwargs):
+    """Runs ``fn`` once, waits for its result, returns ``(seconds, result)``."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return time.perf_counter() - start, out
+
+
+def summary(seconds: list[float], scale: float = 1.0, digits: int = 3) -> dict:
+    """``{"min", "median", "n"}`` of a list of timings, multiplied by ``scale``."""
+    if not seconds:
+        return {"min": None, "median": None, "n": 0}
+    return {
+        "min": round(min(seconds) * scale, digits),
+        "median": round(statistics.median(seconds) * scale, digits),
+        "n": len(seconds),
+    }
+
+
+def repeat(fn: Callable, repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn()`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    return [timed(fn)[0] for _ in range(repeats)]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``platform.processor()`` is often empty on Linux)."""
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name or platform.machine()
+
+
+def machine_info() -> dict:
+    """What the figures were measured on."""
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "platform_processor": platform.processor(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": load,
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "platform": platform.platform(),
+    }
+
+
+def tree_bytes(tree) -> int:
+    """Total bytes of the arrays in a pytree."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Writes ``data`` as indented JSON (creating the folder) and prints it to stdout."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=2)
+    path.write_text(text + "\n")
+    print(text)

@@ -1,0 +1,59 @@
+"""Executes the notebooks with nbclient, in a kernel that runs this interpreter (the venv's).
+
+The notebooks are committed without outputs; this runs them top to bottom, so they cannot rot.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = "aaren-jax-test"
+
+
+@pytest.fixture
+def kernel_name(tmp_path, monkeypatch):
+    """A kernelspec whose argv is this very interpreter, found first on JUPYTER_PATH."""
+    spec_dir = tmp_path / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "aaren_jax tests",
+        "language": "python",
+        "env": {"MPLBACKEND": "Agg", "JAX_PLATFORMS": "cpu"},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    return KERNEL
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb"])
+def test_notebook_runs(name, kernel_name):
+    path = NOTEBOOKS / name
+    nb = nbformat.read(path, as_version=4)
+    assert all(
+        not cell.get("outputs") and cell.get("execution_count") is None
+        for cell in nb.cells
+        if cell.cell_type == "code"
+    ), f"{name} must be committed without outputs"
+    # A first cell, not saved, that reports which interpreter the kernel runs.
+    nb.cells.insert(0, nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
+    client = nbclient.NotebookClient(
+        nb, kernel_name=kernel_name, timeout=600, resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
+    start = time.perf_counter()
+    client.execute()
+    elapsed = time.perf_counter() - start
+    assert nb.cells[0].outputs[0]["text"].strip() == sys.executable
+    errors = [
+        out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"
+    ]
+    assert not errors
+    print(f"{name}: {elapsed:.1f} s")
