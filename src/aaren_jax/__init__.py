@@ -3,7 +3,13 @@
 The core (``scan``) is pure functions; the modules wire parameters to it.
 """
 
-from aaren_jax.attention import AarenAttention, CausalSelfAttention, KVCache
+from aaren_jax.attention import (
+    AarenAttention,
+    CausalSelfAttention,
+    KVCache,
+    RecurrenceEncoding,
+    RSAState,
+)
 from aaren_jax.blocks import AarenBlock, TransformerBlock
 from aaren_jax.deploy import LoadedStep, export_step, load_step, make_step_fn, stream
 from aaren_jax.models import Aaren, AarenCarry, Transformer, TransformerCarry
@@ -25,6 +31,7 @@ from aaren_jax.scan import (
     init_state,
     prefix_attention,
 )
+from aaren_jax.sharding import sequence_parallel_prefix_attention
 
 __all__ = [
     "Aaren",
@@ -34,6 +41,8 @@ __all__ = [
     "CausalSelfAttention",
     "KVCache",
     "LoadedStep",
+    "RecurrenceEncoding",
+    "RSAState",
     "Transformer",
     "TransformerBlock",
     "TransformerCarry",
@@ -46,6 +55,7 @@ __all__ = [
     "combine",
     "init_state",
     "prefix_attention",
+    "sequence_parallel_prefix_attention",
     "REMConfig",
     "REMState",
     "init_rem_params",

@@ -26,6 +26,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from aaren_jax.rem import (
+    REMConfig,
+    REMState,
+    init_rem_params,
+    init_rem_state,
+    rem_apply,
+    rem_matrices,
+    rem_step,
+)
 from aaren_jax.scan import AttentionState, attention_step, init_state, prefix_attention
 
 Array = jax.Array
@@ -101,6 +110,124 @@ def _state_dtype(dtype, param_dtype) -> jnp.dtype:
 
 
 # ----------------------------------------------------------------------------------------
+# RSA: recurrence encoding (Huang et al., ICLR 2023; SPEC 1.6)
+
+
+class RSAState(NamedTuple):
+    """The carry of an RSA-Aaren attention layer: Aaren's scan state and the REM state.
+
+    Both have constant size (the REM ring has ``p`` slots per head for dilation ``p``).
+
+    Attributes:
+      attention: Aaren's prefix-attention state. m, u [B, H]; w [B, H, D]
+      rem: the REM recurrences' state. ring [B, H, P, 2, D]; phase [B]
+    """
+
+    attention: AttentionState
+    rem: REMState
+
+
+class RecurrenceEncoding(nnx.Module):
+    """The RSA parameters of one attention layer: a gate and one REM per head (eq. (4)).
+
+    ``sigmoid(mu)`` weighs the REMs against the attention: per head
+    ``[(1 - sigmoid(mu)) A + sigmoid(mu) P] V`` with ``A`` the layer's attention weights and
+    ``P`` the head's masked REM. ``mu`` is one scalar per layer; ``eta`` (regular heads) and
+    ``nu``, ``theta`` (cyclical heads) one per head, laid out by ``REMConfig`` (the paper's
+    counts ``k1..k6`` and dilations). Initialisation as in the paper (Section 3): ``mu =
+    config.mu_init``, ``eta`` spread over [-2, -1] U [1, 2], ``nu`` over [1, 2], ``theta =
+    pi / 4`` (``aaren_jax.init_rem_params``). Overhead per layer: ``1 + (k1 + k4) +
+    2 (k2 + k3 + k5 + k6)`` parameters.
+
+    Attributes:
+      config: the ``REMConfig`` (static).
+      mu: the gate parameter. []
+      eta: regular heads' ``lambda = tanh(eta)``. [k1 + k4]
+      nu: cyclical heads' ``gamma = sigmoid(nu)``. [k2 + k3 + k5 + k6]
+      theta: cyclical heads' angles. [k2 + k3 + k5 + k6]
+
+    Example:
+      >>> rsa = RecurrenceEncoding(REMConfig((3, 1, 1, 0, 0, 0)), 5)
+      >>> rsa.matrices(4, 4).shape
+      (5, 4, 4)
+    """
+
+    def __init__(self, config: REMConfig, num_heads: int, *, param_dtype=jnp.float32):
+        """Builds the parameters.
+
+        Args:
+          config: head assignment; ``config.num_heads`` must equal ``num_heads``.
+          num_heads: the layer's heads ``H``.
+          param_dtype: dtype of ``mu``, ``eta``, ``nu``, ``theta``.
+
+        Raises:
+          TypeError: ``config`` is not a ``REMConfig``.
+          ValueError: the counts do not sum to ``num_heads``.
+        """
+        if not isinstance(config, REMConfig):
+            raise TypeError(f"rsa must be a REMConfig or None, got {type(config).__name__}")
+        if config.num_heads != num_heads:
+            raise ValueError(
+                f"rsa: counts {config.counts} assign {config.num_heads} heads, the layer has "
+                f"num_heads={num_heads}"
+            )
+        self.config = config
+        params = init_rem_params(config, dtype=param_dtype)
+        self.mu = nnx.Param(jnp.asarray(config.mu_init, param_dtype))
+        self.eta = nnx.Param(params["eta"])
+        self.nu = nnx.Param(params["nu"])
+        self.theta = nnx.Param(params["theta"])
+
+    def gate(self, dtype=None) -> Array:
+        """``sigmoid(mu)`` in ``dtype`` (default: float32, or float64 for float64 ``mu``). []"""
+        mu = self.mu[...]
+        return jax.nn.sigmoid(mu.astype(dtype or jnp.promote_types(mu.dtype, jnp.float32)))
+
+    def params(self) -> dict[str, Array]:
+        """``{"eta", "nu", "theta"}`` for the functions of ``aaren_jax.rem``."""
+        return {"eta": self.eta[...], "nu": self.nu[...], "theta": self.theta[...]}
+
+    def matrices(self, q_len: int, k_len: int, q_offset=0, dtype=None) -> Array:
+        """Masked REMs of queries at ``q_offset ..`` against keys ``0 .. k_len-1``. [H, Tq, Tk]"""
+        return rem_matrices(
+            self.config, self.params(), q_len, k_len, q_offset=q_offset, dtype=dtype
+        )
+
+
+def _rsa_attention(q: Array, k: Array, v: Array, mask: Array, rem: Array, gate: Array):
+    """RSA heads, eq. (4): ``[(1 - g) softmax(q k^T + mask) + g P] v``, reading ``v`` once.
+
+    The softmax runs in float32 (float64 for float64 inputs); masked keys are excluded from
+    the softmax and their REM columns are zeroed, so padding never leaks. A row with no
+    valid key gives exactly 0 (its softmax part is 0, its REM row is all masked).
+
+    Args:
+      q: queries, pre-scaled. [B, H, Tq, D]
+      k: keys. [B, H, S, D]
+      v: values. [B, H, S, D]
+      mask: True where query t may attend key s. [B, 1, Tq, S]
+      rem: the heads' REMs for these queries and keys. [H, Tq, S]
+      gate: ``sigmoid(mu)``. []
+
+    Returns:
+      Outputs in ``v``'s dtype. [B, H, Tq, D]
+    """
+    acc = jnp.promote_types(v.dtype, jnp.float32)
+    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
+    weights = jnp.exp(jnp.where(mask, scores - top, -jnp.inf))
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    gate = gate.astype(acc)
+    rem = jnp.where(mask, rem.astype(acc)[None], jnp.zeros((), acc))
+    mix = (1 - gate) * probs + gate * rem
+    out = jnp.einsum("bhts,bhsd->bhtd", mix.astype(v.dtype), v, preferred_element_type=acc)
+    return out.astype(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------
 # Aaren
 
 
@@ -112,9 +239,17 @@ class AarenAttention(nnx.Module):
     per head ``o_t = prefix_attention(<q_h, k_h,i> / sqrt(D), v_h,i)[t]``; ``y = O W_o + b_o``.
     The scan state is float32 whatever ``dtype`` is; outputs come back in the compute dtype.
 
+    RSA-Aaren (``rsa=REMConfig(...)``, SPEC 1.6): per head
+    ``o_t = (1 - sigmoid(mu)) aaren_t + sigmoid(mu) rem_t`` with ``rem_t = (P V)_t`` computed
+    as a linear recurrence (``aaren_jax.rem_apply`` in parallel, ``rem_step`` streaming, no
+    truncation at ``K``), so streaming stays O(1) in memory (O(p) for dilation ``p``); the
+    carry is then an ``RSAState``. A padding token is skipped by the REM recurrence (it does
+    not advance the lags) and its REM output is 0.
+
     Attributes:
       q0: the learned query. [d]
       q_proj, k_proj, v_proj, o_proj: ``nnx.Linear(d, d)`` with biases.
+      rsa: the ``RecurrenceEncoding`` (gate and REM parameters), or None.
       num_heads, head_dim, d_model: the sizes.
       method, chunk_size: forwarded to ``prefix_attention``.
 
@@ -140,6 +275,7 @@ class AarenAttention(nnx.Module):
         chunk_size: int | None = None,
         kernel_init=_DEFAULT_KERNEL_INIT,
         query_init=_DEFAULT_QUERY_INIT,
+        rsa: REMConfig | None = None,
         rngs: nnx.Rngs,
     ):
         """Builds the layer.
@@ -154,6 +290,7 @@ class AarenAttention(nnx.Module):
           kernel_init: initialiser of the four projection kernels.
           query_init: initialiser of ``q0``; unit normal so that ``W_q q0`` has unit-scale
             entries under LeCun-normal ``W_q``, like a Transformer's queries.
+          rsa: a ``REMConfig`` to gate REMs into the heads (RSA-Aaren), or None (plain).
           rngs: parameter RNGs.
         """
         self.head_dim = _check_heads(d_model, num_heads)
@@ -173,6 +310,9 @@ class AarenAttention(nnx.Module):
             )
 
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
+        self.rsa = (
+            None if rsa is None else RecurrenceEncoding(rsa, num_heads, param_dtype=param_dtype)
+        )
 
     def _query(self) -> Array:
         """The per-head query, pre-scaled by ``1/sqrt(D)``, in the state dtype. [H, D]"""
@@ -181,7 +321,7 @@ class AarenAttention(nnx.Module):
         # Scaling the H*D query once is cheaper than scaling B*H*T scores.
         return q.reshape(self.num_heads, self.head_dim) / math.sqrt(self.head_dim)
 
-    def init_carry(self, batch_size: int, max_len: int | None = None) -> AttentionState:
+    def init_carry(self, batch_size: int, max_len: int | None = None) -> AttentionState | RSAState:
         """The empty state: attention over no token.
 
         Args:
@@ -189,14 +329,36 @@ class AarenAttention(nnx.Module):
           max_len: ignored (an Aaren carry has no capacity); accepted for one interface.
 
         Returns:
-          ``AttentionState`` with m, u [B, H] and w [B, H, D] in float32.
+          ``AttentionState`` with m, u [B, H] and w [B, H, D] in float32; with RSA an
+          ``RSAState`` of it and an empty ``REMState`` (ring [B, H, P, 2, D], phase [B]).
         """
         del max_len
-        return init_state(
-            (int(batch_size), self.num_heads),
-            self.head_dim,
-            _state_dtype(self.dtype, self.param_dtype),
-        )
+        dtype = _state_dtype(self.dtype, self.param_dtype)
+        state = init_state((int(batch_size), self.num_heads), self.head_dim, dtype)
+        if self.rsa is None:
+            return state
+        rem = init_rem_state(self.rsa.config, (int(batch_size),), self.head_dim, dtype)
+        return RSAState(state, rem)
+
+    def _split_carry(self, carry):
+        """``(attention state, REM state)`` of a carry (either may be None)."""
+        if self.rsa is None:
+            return carry, None
+        if carry is None:
+            return None, None
+        if not isinstance(carry, RSAState):
+            raise TypeError(
+                f"an RSA-Aaren layer's carry is an RSAState (from init_carry), got "
+                f"{type(carry).__name__}"
+            )
+        return carry.attention, carry.rem
+
+    def _gate_mix(self, aaren_out: Array, rem_out: Array) -> Array:
+        """``(1 - sigmoid(mu)) aaren + sigmoid(mu) rem`` in the state dtype, cast back."""
+        acc = jnp.promote_types(aaren_out.dtype, jnp.float32)
+        g = self.rsa.gate(acc)
+        mixed = (1 - g) * aaren_out.astype(acc) + g * rem_out.astype(acc)
+        return mixed.astype(aaren_out.dtype)
 
     def __call__(
         self,
@@ -211,13 +373,14 @@ class AarenAttention(nnx.Module):
           x: inputs. [B, T, d]
           mask: True = valid token; masked tokens are the scan's identity. [B, T]
           carry: state of earlier tokens (prefill continues it), or None for empty.
-            m, u [B, H]; w [B, H, D]
+            m, u [B, H]; w [B, H, D] (an ``RSAState`` with RSA)
           return_carry: also return the state after the last token.
 
         Returns:
           ``y`` [B, T, d], or ``(y, carry)`` when ``return_carry``.
         """
         x, mask = check_inputs(x, mask, self.d_model)
+        carry, rem_carry = self._split_carry(carry)
         batch, length, _ = x.shape
         heads, head_dim = self.num_heads, self.head_dim
         q = self._query()
@@ -238,6 +401,12 @@ class AarenAttention(nnx.Module):
             method=self.method,
             chunk_size=self.chunk_size,
         )
+        if self.rsa is not None:
+            rem_out, rem_state = rem_apply(
+                self.rsa.config, self.rsa.params(), values, mask, initial_state=rem_carry
+            )
+            out = self._gate_mix(out, rem_out)
+            state = RSAState(state, rem_state)
         y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
         return (y, state) if return_carry else y
 
@@ -247,7 +416,7 @@ class AarenAttention(nnx.Module):
         """Advances by one token in O(1) time and memory.
 
         Args:
-          carry: the state so far. m, u [B, H]; w [B, H, D]
+          carry: the state so far. m, u [B, H]; w [B, H, D] (an ``RSAState`` with RSA)
           x_t: this token. [B, d]
           mask_t: True = valid; a masked token leaves the state unchanged. [B]
 
@@ -255,6 +424,7 @@ class AarenAttention(nnx.Module):
           ``(carry, y_t)`` with ``y_t`` [B, d].
         """
         x_t, mask_t = check_inputs(x_t, mask_t, self.d_model, name="x_t", ndim=2)
+        carry, rem_carry = self._split_carry(carry)
         batch = x_t.shape[0]
         heads, head_dim = self.num_heads, self.head_dim
         q = self._query()
@@ -265,6 +435,10 @@ class AarenAttention(nnx.Module):
         if mask_t is not None:
             head_mask = jnp.broadcast_to(mask_t[:, None], (batch, heads))
         carry, out = attention_step(carry, score, v, head_mask)
+        if self.rsa is not None:
+            rem_carry, rem_out = rem_step(self.rsa.config, self.rsa.params(), rem_carry, v, mask_t)
+            out = self._gate_mix(out, rem_out)
+            carry = RSAState(carry, rem_carry)
         return carry, self.o_proj(out.reshape(batch, self.d_model))
 
 
@@ -351,6 +525,58 @@ def _masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return out.astype(v.dtype)
 
 
+def _masked_attention_split(q: Array, segments) -> Array:
+    """``_masked_attention`` over the keys of several segments, without concatenating them.
+
+    One softmax over the keys of every segment; lets a decode step attend over the cache as
+    it was before this token's write, and over this token apart (see ``_after``).
+
+    Args:
+      q: queries, pre-scaled. [B, H, Tq, D]
+      segments: ``(k, v, mask)`` triples: keys and values [B, H, S_i, D], and
+        True where query t may attend key s [B, 1, Tq, S_i].
+
+    Returns:
+      Outputs in the first segment's ``v`` dtype; exactly 0 for a row with no valid key.
+      [B, H, Tq, D]
+    """
+    out_dtype = segments[0][1].dtype
+    acc = jnp.promote_types(out_dtype, jnp.float32)
+    scores = [
+        jnp.where(mask, jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc), -jnp.inf)
+        for k, _, mask in segments
+    ]
+    top = scores[0].max(axis=-1, keepdims=True)
+    for s in scores[1:]:
+        top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
+    # A row with every key masked has top = -inf: use 0 so exp gives 0, not NaN.
+    top = jax.lax.stop_gradient(jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
+    denom = out = None
+    for s, (_, v, mask) in zip(scores, segments, strict=True):
+        weights = jnp.exp(jnp.where(mask, s - top, -jnp.inf))
+        part = jnp.einsum("bhts,bhsd->bhtd", weights.astype(v.dtype), v, preferred_element_type=acc)
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        out = part if out is None else out + part
+        denom = total if denom is None else denom + total
+    out = out / jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    return out.astype(out_dtype)
+
+
+def _after(x: Array, y: Array) -> Array:
+    """``x`` unchanged, but data-dependent on ``y``, so that XLA computes ``y`` first.
+
+    A KV-cache step reads the cache, then writes this token into it. Written first and read
+    after, the update and the attention's dots made XLA (CPU) copy the whole cache several
+    times per step at batch 1 (the batch axis of size 1 puts a bitcast between them: about
+    40 ms instead of 2 ms per layer at C = 16384); read first with no dependency, XLA cannot
+    order the read before an in-place write and copies the cache too. With the update
+    depending on the attention's output, the write happens in place after the reads.
+    ``nan_to_num(0 * sum(y))`` is exactly 0 (also for non-finite ``y``); XLA cannot fold it.
+    """
+    zero = jnp.nan_to_num(jnp.zeros((), jnp.float32) * jnp.sum(y, dtype=jnp.float32))
+    return x + zero.astype(x.dtype)
+
+
 class CausalSelfAttention(nnx.Module):
     """Causal multi-head self-attention with a fixed-capacity KV cache (SPEC 1.5).
 
@@ -361,8 +587,18 @@ class CausalSelfAttention(nnx.Module):
     keys once and values once per step. Query rows with no valid key (e.g. a left-padding
     position) output exactly 0, like Aaren's.
 
+    RSA (``rsa=REMConfig(...)``, Huang et al. eq. (4)): per head
+    ``[(1 - sigmoid(mu)) softmax(QK^T / sqrt(D) + causal mask) + sigmoid(mu) P] V`` with
+    ``P`` the head's masked REM (truncated at power ``K``). The parallel pass builds ``P``
+    ``[H, T, T]``; a cached pass or a decode step builds the REM rows of its queries at
+    absolute positions ``length ..`` against the cache's slots (the non-square form,
+    ``q_offset = length``) and mixes them into the softmax weights, so the cache's values
+    are read once. Lags are slot differences in both paths and padded keys' REM columns
+    are zeroed: with left or right padding this is the REM of the unpadded tokens.
+
     Attributes:
       q_proj, k_proj, v_proj, o_proj: ``nnx.Linear(d, d)`` with biases.
+      rsa: the ``RecurrenceEncoding`` (gate and REM parameters), or None.
       num_heads, head_dim, d_model: the sizes.
 
     Example:
@@ -384,6 +620,7 @@ class CausalSelfAttention(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         kernel_init=_DEFAULT_KERNEL_INIT,
+        rsa: REMConfig | None = None,
         rngs: nnx.Rngs,
     ):
         """Builds the layer.
@@ -394,6 +631,7 @@ class CausalSelfAttention(nnx.Module):
           dtype: compute dtype (None: from inputs and params); softmax is float32.
           param_dtype: dtype of the parameters.
           kernel_init: initialiser of the four projection kernels.
+          rsa: a ``REMConfig`` to make the heads RSA heads, or None (plain).
           rngs: parameter RNGs.
         """
         self.head_dim = _check_heads(d_model, num_heads)
@@ -411,6 +649,9 @@ class CausalSelfAttention(nnx.Module):
             )
 
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
+        self.rsa = (
+            None if rsa is None else RecurrenceEncoding(rsa, num_heads, param_dtype=param_dtype)
+        )
 
     def _cache_dtype(self):
         return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
@@ -476,7 +717,19 @@ class CausalSelfAttention(nnx.Module):
         if carry is None:
             causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
             attend = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, T]
-            out = jax.nn.dot_product_attention(q, k, v, mask=attend, scale=scale)
+            if self.rsa is not None:
+                qh = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
+                out = _rsa_attention(
+                    qh,
+                    jnp.swapaxes(k, 1, 2),
+                    jnp.swapaxes(v, 1, 2),
+                    attend,
+                    self.rsa.matrices(length, length),
+                    self.rsa.gate(),
+                )
+                out = jnp.swapaxes(out, 1, 2)  # [B, T, H, D]
+            else:
+                out = jax.nn.dot_product_attention(q, k, v, mask=attend, scale=scale)
             # dot_product_attention spreads a row with no valid key uniformly over masked
             # keys; give exactly 0 instead (finite, and equal to the cached path).
             seen = jax.lax.cummax(valid.astype(jnp.int32), axis=1) > 0  # [B, T]
@@ -495,19 +748,24 @@ class CausalSelfAttention(nnx.Module):
         self._check_cache(carry, batch)
         check_capacity(carry, length)
         start = carry.length
+        zero = jnp.zeros((), start.dtype)  # indices of one integer type, also under x64
         cache_k = jax.lax.dynamic_update_slice(
-            carry.k, jnp.swapaxes(k, 1, 2).astype(carry.k.dtype), (0, 0, start, 0)
+            carry.k, jnp.swapaxes(k, 1, 2).astype(carry.k.dtype), (zero, zero, start, zero)
         )
         cache_v = jax.lax.dynamic_update_slice(
-            carry.v, jnp.swapaxes(v, 1, 2).astype(carry.v.dtype), (0, 0, start, 0)
+            carry.v, jnp.swapaxes(v, 1, 2).astype(carry.v.dtype), (zero, zero, start, zero)
         )
-        cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid, (0, start))
+        cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid, (zero, start))
         # Query t sits at slot start + t and sees slots up to it that hold valid tokens.
         slots = jnp.arange(carry.capacity)
         query_slot = start + jnp.arange(length)
         attend = (slots[None, :] <= query_slot[:, None])[None, None] & cache_valid[:, None, None, :]
         qh = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
-        out = _masked_attention(qh, cache_k, cache_v, attend)  # [B, H, T, D]
+        if self.rsa is not None:
+            rem = self.rsa.matrices(length, carry.capacity, q_offset=start)
+            out = _rsa_attention(qh, cache_k, cache_v, attend, rem, self.rsa.gate())  # [B, H, T, D]
+        else:
+            out = _masked_attention(qh, cache_k, cache_v, attend)  # [B, H, T, D]
         y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
         new = KVCache(cache_k, cache_v, cache_valid, start + jnp.asarray(length, jnp.int32))
         return (y, new) if return_carry else y
@@ -551,12 +809,28 @@ class CausalSelfAttention(nnx.Module):
         v = self.v_proj(x_t).reshape(batch, heads, 1, head_dim).astype(carry.v.dtype)
         valid_t = jnp.ones((batch,), jnp.bool_) if mask_t is None else mask_t
         pos = carry.length
-        cache_k = jax.lax.dynamic_update_slice(carry.k, k, (0, 0, pos, 0))
-        cache_v = jax.lax.dynamic_update_slice(carry.v, v, (0, 0, pos, 0))
-        cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid_t[:, None], (0, pos))
-        # Slots beyond pos are never valid (unwritten), so validity alone is the causal mask.
-        attend = cache_valid[:, None, None, :]  # [B, 1, 1, C]
+        zero = jnp.zeros((), pos.dtype)  # indices of one integer type, also under x64
+        cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid_t[:, None], (zero, pos))
         q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
-        out = _masked_attention(q, cache_k, cache_v, attend)  # [B, H, 1, D]
+        if self.rsa is not None:
+            cache_k = jax.lax.dynamic_update_slice(carry.k, k, (zero, zero, pos, zero))
+            cache_v = jax.lax.dynamic_update_slice(carry.v, v, (zero, zero, pos, zero))
+            # Slots beyond pos are never valid (unwritten), so validity alone is the causal mask.
+            attend = cache_valid[:, None, None, :]  # [B, 1, 1, C]
+            # The REM row of query position pos against every slot (App. D.2, q_offset).
+            rem = self.rsa.matrices(1, carry.capacity, q_offset=pos)
+            out = _rsa_attention(q, cache_k, cache_v, attend, rem, self.rsa.gate())
+        else:
+            # The cache as it was (its valid slots are all before this token), then this
+            # token; the write comes after the reads (_after), so it happens in place.
+            out = _masked_attention_split(
+                q,
+                [
+                    (carry.k, carry.v, carry.valid[:, None, None, :]),
+                    (k, v, valid_t[:, None, None, None]),
+                ],
+            )  # [B, H, 1, D]
+            cache_k = jax.lax.dynamic_update_slice(carry.k, _after(k, out), (zero, zero, pos, zero))
+            cache_v = jax.lax.dynamic_update_slice(carry.v, _after(v, out), (zero, zero, pos, zero))
         y = self.o_proj(out.reshape(batch, self.d_model))
         return KVCache(cache_k, cache_v, cache_valid, pos + 1), y

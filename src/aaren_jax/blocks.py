@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from aaren_jax.attention import AarenAttention, CausalSelfAttention, check_inputs
+from aaren_jax.rem import REMConfig
 
 Array = jax.Array
 
@@ -150,6 +151,7 @@ class AarenBlock(_Block):
         param_dtype=jnp.float32,
         method: str = "auto",
         chunk_size: int | None = None,
+        rsa: REMConfig | None = None,
         rngs: nnx.Rngs,
     ):
         """Builds the block.
@@ -165,6 +167,7 @@ class AarenBlock(_Block):
           param_dtype: parameter dtype.
           method: ``prefix_attention`` method of the parallel pass.
           chunk_size: ``prefix_attention`` chunk size.
+          rsa: a ``REMConfig`` for RSA-Aaren (REMs gated into each head), or None.
           rngs: parameter and dropout RNGs.
         """
         attention = AarenAttention(
@@ -174,6 +177,7 @@ class AarenBlock(_Block):
             param_dtype=param_dtype,
             method=method,
             chunk_size=chunk_size,
+            rsa=rsa,
             rngs=rngs,
         )
         super().__init__(
@@ -220,6 +224,7 @@ class TransformerBlock(_Block):
         activation: Callable[[Array], Array] = nnx.gelu,
         dtype=None,
         param_dtype=jnp.float32,
+        rsa: REMConfig | None = None,
         rngs: nnx.Rngs,
     ):
         """Builds the block.
@@ -233,10 +238,11 @@ class TransformerBlock(_Block):
           activation: the MLP's nonlinearity (GELU).
           dtype: compute dtype (None: from inputs and params); softmax is float32.
           param_dtype: parameter dtype.
+          rsa: a ``REMConfig`` for RSA heads (Huang et al. eq. (4)), or None.
           rngs: parameter and dropout RNGs.
         """
         attention = CausalSelfAttention(
-            d_model, num_heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            d_model, num_heads, dtype=dtype, param_dtype=param_dtype, rsa=rsa, rngs=rngs
         )
         super().__init__(
             attention,

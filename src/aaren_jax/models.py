@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aaren_jax.attention import KVCache, check_inputs
+from aaren_jax.attention import KVCache, RSAState, check_inputs
 from aaren_jax.blocks import AarenBlock, TransformerBlock
+from aaren_jax.rem import REMConfig
 from aaren_jax.scan import AttentionState
 
 Array = jax.Array
@@ -35,10 +36,12 @@ class AarenCarry(NamedTuple):
     """The streaming state of an ``Aaren`` model: constant in size whatever the length.
 
     Attributes:
-      layers: one ``AttentionState`` per layer (m, u [B, H]; w [B, H, D]; float32).
+      layers: one ``AttentionState`` per layer (m, u [B, H]; w [B, H, D]; float32), or,
+        for RSA-Aaren, one ``RSAState`` per layer (that state and the layer's ``REMState``,
+        ring [B, H, P, 2, D] and phase [B]).
     """
 
-    layers: tuple[AttentionState, ...]
+    layers: tuple[AttentionState | RSAState, ...]
 
 
 class TransformerCarry(NamedTuple):
@@ -189,6 +192,7 @@ class Aaren(_Stack):
         param_dtype=jnp.float32,
         method: str = "auto",
         chunk_size: int | None = None,
+        rsa: REMConfig | None = None,
         rngs: nnx.Rngs,
     ):
         """Builds the model.
@@ -206,6 +210,8 @@ class Aaren(_Stack):
           param_dtype: parameter dtype.
           method: ``prefix_attention`` method of the parallel pass.
           chunk_size: ``prefix_attention`` chunk size.
+          rsa: a ``REMConfig`` for RSA-Aaren: every layer gets a gate ``mu`` and REMs per
+            head, ``o_t = (1 - sigmoid(mu)) aaren_t + sigmoid(mu) rem_t``; None is plain.
           rngs: parameter and dropout RNGs.
         """
         blocks = [
@@ -220,6 +226,7 @@ class Aaren(_Stack):
                 param_dtype=param_dtype,
                 method=method,
                 chunk_size=chunk_size,
+                rsa=rsa,
                 rngs=rngs,
             )
             for _ in range(num_layers)
@@ -281,6 +288,7 @@ class Transformer(_Stack):
         activation: Callable[[Array], Array] = nnx.gelu,
         dtype=None,
         param_dtype=jnp.float32,
+        rsa: REMConfig | None = None,
         rngs: nnx.Rngs,
     ):
         """Builds the model.
@@ -296,6 +304,8 @@ class Transformer(_Stack):
           activation: the MLP's nonlinearity (GELU).
           dtype: compute dtype (None: from inputs and params); softmax is float32.
           param_dtype: parameter dtype.
+          rsa: a ``REMConfig`` for the RSA-Transformer (Huang et al. eq. (4)): every layer
+            gets a gate ``mu`` and REM parameters per head; None is the plain baseline.
           rngs: parameter and dropout RNGs.
         """
         blocks = [
@@ -308,6 +318,7 @@ class Transformer(_Stack):
                 activation=activation,
                 dtype=dtype,
                 param_dtype=param_dtype,
+                rsa=rsa,
                 rngs=rngs,
             )
             for _ in range(num_layers)

@@ -1,0 +1,68 @@
+"""The attention layers against float64 NumPy written from the paper's equations.
+
+Aaren (paper Sec. 3.3, SPEC 1.4): q = W_q q0 + b_q, K = X W_k + b_k, V = X W_v + b_v, per head
+o_t = softmax over i <= t (masked) of <q_h, k_i,h> / sqrt(D), applied to v_i,h; y = O W_o + b_o.
+The baseline: the same with q_t = x_t W_q + b_q and causal masked softmax over keys.
+Only the public API is imported.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import aaren_jax as aj
+
+
+def _linear(layer, x):
+    return x @ np.asarray(layer.kernel[...], np.float64) + np.asarray(layer.bias[...], np.float64)
+
+
+def _softmax_rows(logits, allowed):
+    logits = np.where(allowed, logits, -np.inf)
+    top = logits.max(-1, keepdims=True)
+    top = np.where(np.isneginf(top), 0.0, top)
+    e = np.where(allowed, np.exp(logits - top), 0.0)
+    den = e.sum(-1, keepdims=True)
+    return np.where(den > 0, e / np.where(den > 0, den, 1.0), 0.0)
+
+
+def _heads(x, num_heads):
+    batch, length, width = x.shape
+    return x.reshape(batch, length, num_heads, width // num_heads).transpose(0, 2, 1, 3)
+
+
+def _reference(layer, x, mask, learned_query):
+    x = np.asarray(x, np.float64)
+    batch, length, width = x.shape
+    num_heads = layer.num_heads
+    head_dim = width // num_heads
+    k = _heads(_linear(layer.k_proj, x), num_heads)  # [B, H, T, D]
+    v = _heads(_linear(layer.v_proj, x), num_heads)
+    if learned_query:
+        q = _linear(layer.q_proj, np.asarray(layer.q0[...], np.float64)[None])  # [1, d]
+        q = np.broadcast_to(q.reshape(1, num_heads, 1, head_dim), (batch, num_heads, 1, head_dim))
+        logits = np.broadcast_to(q @ k.transpose(0, 1, 3, 2), (batch, num_heads, length, length))
+    else:
+        q = _heads(_linear(layer.q_proj, x), num_heads)
+        logits = q @ k.transpose(0, 1, 3, 2)
+    logits = logits / np.sqrt(head_dim)
+    allowed = np.tril(np.ones((length, length), bool))[None, None] & mask[:, None, None, :]
+    out = _softmax_rows(logits, allowed) @ v  # [B, H, T, D]
+    out = out.transpose(0, 2, 1, 3).reshape(batch, length, width)
+    return _linear(layer.o_proj, out)
+
+
+@pytest.mark.parametrize("learned_query", [True, False])
+def test_attention_layers_match_float64_equations(learned_query):
+    cls = aj.AarenAttention if learned_query else aj.CausalSelfAttention
+    layer = cls(16, 4, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 9, 16)).astype(np.float32)
+    mask = np.ones((3, 9), bool)
+    mask[1, :4] = False  # left padding
+    mask[2] = rng.random(9) > 0.3
+    got = jax.jit(lambda x, m: layer(x, mask=m))(x, mask)
+    expected = _reference(layer, x, mask, learned_query)
+    valid = mask.cumsum(-1) > 0  # positions after the first valid token
+    np.testing.assert_allclose(np.asarray(got)[valid], expected[valid], atol=2e-5, rtol=1e-4)
