@@ -264,16 +264,13 @@ def _prefix_states_chunked(
     """Block-by-block (paper Appendix A): dense prefixes inside blocks, a scan across them."""
     num_tokens = leaves.m.shape[-1]
     num_chunks = -(-num_tokens // chunk_size)
-    pad = num_chunks * chunk_size - num_tokens
-    if pad:
-        leaves = _pad_time(leaves, pad)
     batch_shape = leaves.m.shape[:-1]
     dim = leaves.w.shape[-1]
-    blocks = AttentionState(
-        leaves.m.reshape(*batch_shape, num_chunks, chunk_size),
-        leaves.u.reshape(*batch_shape, num_chunks, chunk_size),
-        leaves.w.reshape(*batch_shape, num_chunks, chunk_size, dim),
+    blocked = functools.partial(
+        _to_blocks, batch_ndim=len(batch_shape), num_blocks=num_chunks, chunk_size=chunk_size
     )
+    # padding tokens are identities (-inf, 0, 0); their states are dropped below
+    blocks = AttentionState(blocked(leaves.m, fill=-jnp.inf), blocked(leaves.u), blocked(leaves.w))
     local = _dense_block_prefixes(blocks)
 
     # Exclusive prefix over the block totals: the state before each block.
@@ -295,11 +292,9 @@ def _prefix_states_chunked(
         states.u.reshape(*batch_shape, -1),
         states.w.reshape(*batch_shape, -1, dim),
     )
-    if pad:
-        states = AttentionState(
-            states.m[..., :num_tokens], states.u[..., :num_tokens], states.w[..., :num_tokens, :]
-        )
-    return states
+    return AttentionState(
+        states.m[..., :num_tokens], states.u[..., :num_tokens], states.w[..., :num_tokens, :]
+    )
 
 
 def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
@@ -327,16 +322,6 @@ def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
 def _expand_time(state: AttentionState) -> AttentionState:
     """Adds a length-1 time axis so a state [...] broadcasts against states [..., T]."""
     return AttentionState(state.m[..., None], state.u[..., None], state.w[..., None, :])
-
-
-def _pad_time(leaves: AttentionState, pad: int) -> AttentionState:
-    """Appends ``pad`` identity leaves at the end of the time axis."""
-    batch_pad = [(0, 0)] * (leaves.m.ndim - 1)
-    return AttentionState(
-        jnp.pad(leaves.m, [*batch_pad, (0, pad)], constant_values=-jnp.inf),
-        jnp.pad(leaves.u, [*batch_pad, (0, pad)]),
-        jnp.pad(leaves.w, [*batch_pad, (0, pad), (0, 0)]),
-    )
 
 
 # ----------------------------------------------------------------------------------------
