@@ -1,5 +1,7 @@
 """Shared example utilities: weight-decay mask, result records, checkpoint round trip."""
 
+import multiprocessing
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,6 +62,26 @@ def test_records_append_and_skip(tmp_path):
     assert [r["seed"] for r in records] == [0, 1]
     done = {record_key(r, ("dataset", "seed")) for r in records}
     assert ("a", 1) in done and ("a", 2) not in done
+
+
+def _append_many(path, worker, count):
+    for i in range(count):
+        append_record(path, {"worker": worker, "i": i})
+
+
+def test_concurrent_appends_keep_every_record(tmp_path):
+    path = tmp_path / "results.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_append_many, args=(path, w, 15)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    records = load_records(path)
+    assert sorted((r["worker"], r["i"]) for r in records) == [
+        (w, i) for w in range(3) for i in range(15)
+    ]
 
 
 def test_epoch_permutation_is_seeded():

@@ -3,8 +3,10 @@
 import argparse
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from examples.regular_languages import data, sweep, train
 
@@ -34,6 +36,7 @@ def test_one_training_step(model, tiny_data):
     assert 0.0 <= record["bin0"] <= 1.0 and 0.0 <= record["bin1"] <= 1.0
     assert np.isfinite(record["train_loss"])
     assert record["epochs"] == 1 and record["train_size"] == 8
+    assert record["positional"] == train.DEFAULT_POSITIONAL[model]
     if model.startswith("rsa_"):
         assert len(record["gates"]) == 1 and record["rsa_counts"] == [3, 1, 1, 0, 0, 0]
     json.dumps(record)  # a record is plain JSON
@@ -47,12 +50,62 @@ def test_learning_rate_halves_every_five_epochs():
 
 def test_sweep_skips_done_runs():
     args = argparse.Namespace(
-        languages=["parity", "d2"], models=["aaren", "rsa_aaren"], seeds=[0, 1]
+        languages=["parity", "d2"], models=["aaren", "rsa_aaren"], seeds=[0, 1], positional=None
     )
-    done = {("parity", "aaren", 0)}
+    done = {("parity", "aaren", 0, "sinusoidal"), ("parity", "rsa_aaren", 0, "sinusoidal")}
     runs = sweep.pending_runs(args, done)
-    assert len(runs) == 7 and ("parity", "aaren", 0) not in runs
+    # rsa_aaren's default is no absolute positions: its sinusoidal record does not count.
+    assert len(runs) == 7 and ("parity", "aaren", 0, "sinusoidal") not in runs
+    assert ("parity", "rsa_aaren", 0, "none") in runs
     assert [r[2] for r in runs[:3]] == [0, 0, 0]  # seed-major: one seed of everything first
+    ablation = sweep.pending_runs(argparse.Namespace(**{**vars(args), "positional": "none"}), done)
+    assert ("parity", "aaren", 0, "none") in ablation and len(ablation) == 8
+
+
+def test_tables_separate_default_runs_from_ablations():
+    def rec(model, positional, bin1, epochs=25):
+        size = data.language_spec("d2").train_size
+        return dict(
+            language="d2", model=model, seed=0, bin0=1.0, bin1=bin1, positional=positional,
+            epochs=epochs, train_size=size,
+        )  # fmt: skip
+
+    records = [
+        rec("rsa_transformer", "none", 1.0),
+        rec("rsa_transformer", "sinusoidal", 0.1),
+        rec("transformer", "sinusoidal", 0.5, epochs=3),  # not the paper's epochs
+    ]
+    main_row = next(line for line in sweep.table(records).splitlines() if line.startswith("| d2"))
+    assert "1.00 / 1.00 (n=1)" in main_row and "0.10" not in main_row
+    assert main_row.split("|")[2].strip() == "pending"  # the 3-epoch transformer run
+    ablation = sweep.ablation_table(records)
+    assert "rsa_transformer, sinusoidal positions" in ablation and "1.00 / 0.10 (n=1)" in ablation
+
+
+@pytest.mark.parametrize("model", train.MODELS)
+def test_left_padding_invariance_without_absolute_positions(model):
+    """Without absolute positions, left padding changes no valid output (REM lags and Aaren's
+    scan skip padded slots); sinusoidal positions shift with the padding, so outputs change."""
+    tokens = jnp.asarray([[1, 2, 2, 1, 2, 1]])
+    padded = jnp.concatenate([jnp.zeros((1, 3), tokens.dtype), tokens], axis=1)
+    mask = jnp.ones(tokens.shape, bool)
+    padded_mask = jnp.concatenate([jnp.zeros((1, 3), bool), mask], axis=1)
+    outputs = {}
+    for positional in train.POSITIONAL:
+        cfg = train.Config(
+            model=model, num_layers=2, d_model=10, num_heads=5, d_ff=10, positional=positional
+        )
+        net = train.LanguageModel(cfg, vocab_in=3, vocab_out=3, rngs=nnx.Rngs(0))
+        outputs[positional] = (net(tokens, mask), net(padded, padded_mask)[:, 3:])
+    np.testing.assert_allclose(*outputs["none"], rtol=1e-5, atol=1e-5)
+    assert np.max(np.abs(np.subtract(*outputs["sinusoidal"]))) > 1e-3
+
+
+def test_unknown_positional_is_rejected():
+    with pytest.raises(ValueError, match="positional"):
+        train.LanguageModel(
+            train.Config(positional="learned"), vocab_in=3, vocab_out=3, rngs=nnx.Rngs(0)
+        )
 
 
 def test_sinusoidal_encoding_any_length():

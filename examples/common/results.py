@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -26,13 +27,19 @@ def record_key(record: Mapping, fields: Iterable[str]) -> tuple:
 
 
 def append_record(path: str | os.PathLike, record: Mapping) -> None:
-    """Appends one record, writing a temporary file first so that a crash cannot corrupt it."""
+    """Appends one record, writing a temporary file first so that a crash cannot corrupt it.
+
+    The read-append-write holds an exclusive lock (``path`` + ``.lock``), so that several
+    sweeps writing one results file cannot drop each other's records.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = load_records(path)
-    records.append(dict(record))
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(records, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    with path.with_suffix(path.suffix + ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = load_records(path)
+        records.append(dict(record))
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        with tmp.open("w") as f:
+            json.dump(records, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)

@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rsa-counts", type=int, nargs=6, default=None, help="k1 .. k6")
     p.add_argument("--rsa-dilations", type=int, nargs="*", default=None)
     p.add_argument("--mu-init", type=float, default=None)
+    p.add_argument("--positional", default=None, choices=train.POSITIONAL)
     p.add_argument("--workdir", default=None, help="accepted for the examples' CLI shape")
     return p.parse_args(argv)
 
@@ -46,6 +47,7 @@ def config_from_args(args: argparse.Namespace) -> train.Config:
         "rsa_counts": None if args.rsa_counts is None else tuple(args.rsa_counts),
         "rsa_dilations": None if args.rsa_dilations is None else tuple(args.rsa_dilations),
         "mu_init": args.mu_init,
+        "positional": args.positional,
     }
     return train.Config(
         language=args.language,

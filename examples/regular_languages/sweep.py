@@ -2,6 +2,7 @@
 
     python examples/regular_languages/sweep.py                   # 6 languages, 4 models, seed 0
     python examples/regular_languages/sweep.py --seeds 0 1 2 --languages parity tomita5
+    python examples/regular_languages/sweep.py --positional none --models transformer aaren
     python examples/regular_languages/sweep.py --dry-run
 
 Records ``{"language", "model", "seed", "bin0", "bin1", "epochs", "wall_s", ...}`` are
@@ -9,7 +10,10 @@ appended to ``results/regular_languages.json``; runs already there are skipped, 
 interrupted sweep resumes at the next unfinished run. Order: every (language, model) for the
 first seed, then the next seed, so one seed of everything lands first. Every run uses the
 same configuration (``train.Config``; the paper's protocol) unless overridden here, and an
-override is recorded in each record (e.g. ``"epochs"``).
+override is recorded in each record (e.g. ``"epochs"``). A run is identified by its
+language, model, seed and positional encoding (``train.DEFAULT_POSITIONAL`` unless
+``--positional`` says otherwise); the main table shows the default encodings, an ablation
+table the others. Several sweeps may share one results file (appends are locked).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from examples.common import append_record, load_records, record_key, setup_loggi
 from examples.common.paths import REPO_ROOT  # noqa: E402
 from examples.regular_languages import data, train  # noqa: E402
 
-KEY = ("language", "model", "seed")
+KEY = ("language", "model", "seed", "positional")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,6 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", default=str(REPO_ROOT / "results" / "regular_languages.json"))
     p.add_argument("--epochs", type=int, default=None, help="deviation from the paper's 25")
     p.add_argument("--train-size", type=int, default=None, help="deviation from the paper's")
+    p.add_argument(
+        "--positional",
+        default=None,
+        choices=train.POSITIONAL,
+        help="ablation: this encoding for every model (default: train.DEFAULT_POSITIONAL)",
+    )
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
     p.add_argument("--table", action="store_true", help="print the results as Markdown and exit")
@@ -56,21 +66,30 @@ PAPER = {
 }
 
 
+def _cell(records: list[dict]) -> str:
+    if not records:
+        return "pending"
+    b0 = sum(r["bin0"] for r in records) / len(records)
+    b1 = sum(r["bin1"] for r in records) / len(records)
+    return f"{b0:.2f} / {b1:.2f} (n={len(records)})"
+
+
 def table(records: list[dict], models=train.MODELS) -> str:
-    """Markdown: per language and model, mean exact match over seeds (n seeds), and the paper's."""
+    """Markdown: per language and model, mean exact match over seeds (n seeds), and the paper's.
+
+    Only records with the model's default positional encoding (``train.DEFAULT_POSITIONAL``)
+    and the paper's epochs and training size count here; see ``ablation_table``.
+    """
     header = "| language | " + " | ".join(f"{m} bin0 / bin1" for m in models)
     header += " | paper Transformer | paper RSA-Transformer (III) |"
     lines = [header, "|" + "---|" * (len(models) + 3)]
     for lang in data.LANGUAGES:
-        cells = []
-        for m in models:
-            rs = [r for r in records if r["language"] == lang and r["model"] == m]
-            if not rs:
-                cells.append("pending")
-                continue
-            b0 = sum(r["bin0"] for r in rs) / len(rs)
-            b1 = sum(r["bin1"] for r in rs) / len(rs)
-            cells.append(f"{b0:.2f} / {b1:.2f} (n={len(rs)})")
+        cells = [
+            _cell(
+                [r for r in records if r["language"] == lang and r["model"] == m and _is_default(r)]
+            )
+            for m in models
+        ]
         paper = PAPER[lang]
         cells += [
             f"{paper[k][0]:.2f} / {paper[k][1]:.2f}" for k in ("transformer", "rsa_transformer")
@@ -79,22 +98,64 @@ def table(records: list[dict], models=train.MODELS) -> str:
     return "\n".join(lines)
 
 
+def _is_default(record: dict) -> bool:
+    """Recorded with the model's default positional encoding and the paper's protocol."""
+    return (
+        record.get("positional") == train.DEFAULT_POSITIONAL[record["model"]]
+        and record.get("epochs") == train.Config.epochs
+        and record.get("train_size") == data.language_spec(record["language"]).train_size
+    )
+
+
+def ablation_table(records: list[dict]) -> str:
+    """Markdown: each (model, positional encoding) pair against the default, per language."""
+    combos = sorted(
+        {(r["model"], r["positional"]) for r in records if not _is_default(r)},
+        key=lambda c: (train.MODELS.index(c[0]), c[1]),
+    )
+    if not combos:
+        return ""
+    header = "| language | " + " | ".join(f"{m}, {p} positions" for m, p in combos) + " |"
+    lines = [header, "|" + "---|" * (len(combos) + 1)]
+    for lang in data.LANGUAGES:
+        cells = [
+            _cell(
+                [
+                    r
+                    for r in records
+                    if r["language"] == lang
+                    and (r["model"], r["positional"]) == combo
+                    and not _is_default(r)
+                ]
+            )
+            for combo in combos
+        ]
+        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
-    """The (language, model, seed) runs not yet recorded, seed-major."""
-    return [
-        (lang, model, seed)
-        for seed in args.seeds
-        for lang in args.languages
-        for model in args.models
-        if (lang, model, seed) not in done
-    ]
+    """The (language, model, seed, positional) runs not yet recorded, seed-major."""
+    runs = []
+    for seed in args.seeds:
+        for lang in args.languages:
+            for model in args.models:
+                positional = args.positional or train.DEFAULT_POSITIONAL[model]
+                if (lang, model, seed, positional) not in done:
+                    runs.append((lang, model, seed, positional))
+    return runs
 
 
 def main(argv=None) -> None:
     setup_logging()
     args = parse_args(argv)
     if args.table:
-        print(table(load_records(args.results)))
+        records = load_records(args.results)
+        print(table(records))
+        ablation = ablation_table(records)
+        if ablation:
+            print("\nAblations (not the default positional encoding, or not the paper's size):\n")
+            print(ablation)
         return
     done = {record_key(r, KEY) for r in load_records(args.results)}
     runs = pending_runs(args, done)
@@ -104,7 +165,7 @@ def main(argv=None) -> None:
             print(*run)
         return
     cache: dict[tuple, dict] = {}
-    for n, (lang, model, seed) in enumerate(runs):
+    for n, (lang, model, seed, positional) in enumerate(runs):
         if args.max_runs is not None and n >= args.max_runs:
             break
         overrides = {"epochs": args.epochs, "train_size": args.train_size}
@@ -112,6 +173,7 @@ def main(argv=None) -> None:
             language=lang,
             model=model,
             seed=seed,
+            positional=positional,
             **{k: v for k, v in overrides.items() if v is not None},
         )
         if (lang, seed) not in cache:
@@ -119,7 +181,14 @@ def main(argv=None) -> None:
             cache[(lang, seed)] = data.make_datasets(lang, seed, train_size=cfg.train_size)
         record = train.train_and_evaluate(cfg, datasets=cache[(lang, seed)])
         append_record(args.results, record)
-        logging.info("recorded %s/%s/seed%d in %s", lang, model, seed, args.results)
+        logging.info(
+            "recorded %s/%s/seed%d (%s positions) in %s",
+            lang,
+            model,
+            seed,
+            positional,
+            args.results,
+        )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ Protocol of App. E.2: 3 layers, 5 heads, width 20; Adam at 0.005 halved every 5 
 character prediction (after each character, the multi-hot set of legal next symbols, a
 sigmoid output trained with binary cross-entropy); a sample is right only if every
 position is right (``data.exact_match``), reported on bin 0 (train lengths) and bin 1
-(longer). Positional encoding: absolute sinusoidal added to the token embedding (the RSA
-paper's vanilla-Transformer baseline), the same for all four models.
+(longer). Positional information (``DEFAULT_POSITIONAL``): the plain models add absolute
+sinusoidal positions to the token embedding (the RSA paper's vanilla-Transformer baseline);
+the RSA models add none, their REMs being their (relative, length-free) positional encoding.
+``Config.positional`` overrides either, for ablations.
 
 Shape notation: ``B`` batch, ``T`` time, ``d`` width, ``V`` output symbols.
 """
@@ -40,6 +42,15 @@ ensure_importable()
 import aaren_jax as aj  # noqa: E402
 
 MODELS = ("transformer", "rsa_transformer", "aaren", "rsa_aaren")
+POSITIONAL = ("sinusoidal", "none")
+# Absolute sinusoidal positions break length generalisation (bin 1 holds positions never seen
+# in training); the REMs encode relative position, so the RSA models need no absolute one.
+DEFAULT_POSITIONAL = {
+    "transformer": "sinusoidal",
+    "rsa_transformer": "none",
+    "aaren": "sinusoidal",
+    "rsa_aaren": "none",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +77,14 @@ class Config:
     train_size: int | None = None  # None: the paper's (10K; 5K for D_n)
     test_size: int | None = None  # per bin; None: the paper's (2K; 1K for D_n)
     log_every_epochs: int = 1  # epochs between log lines
+    positional: str | None = None  # one of POSITIONAL; None: DEFAULT_POSITIONAL[model]
+
+    @property
+    def positional_encoding(self) -> str:
+        """The absolute positions this run adds to the token embedding."""
+        if self.positional is not None:
+            return self.positional
+        return DEFAULT_POSITIONAL.get(self.model, "sinusoidal")
 
     def rem_config(self) -> aj.REMConfig:
         return aj.REMConfig(
@@ -84,7 +103,7 @@ def sinusoidal_encoding(length: int, dim: int) -> jax.Array:
 
 
 class LanguageModel(nnx.Module):
-    """Token embedding + sinusoidal positions, a causal stack, a linear multi-hot head.
+    """Token embedding (+ sinusoidal positions), a causal stack, a linear multi-hot head.
 
     Attributes:
       embed: token embedding (the alphabet and a padding token).
@@ -95,7 +114,12 @@ class LanguageModel(nnx.Module):
     def __init__(self, cfg: Config, vocab_in: int, vocab_out: int, *, rngs: nnx.Rngs):
         if cfg.model not in MODELS:
             raise ValueError(f"unknown model {cfg.model!r}; expected one of {MODELS}")
+        if cfg.positional_encoding not in POSITIONAL:
+            raise ValueError(
+                f"unknown positional {cfg.positional_encoding!r}; expected one of {POSITIONAL}"
+            )
         self.d_model = cfg.d_model
+        self.positional = cfg.positional_encoding
         self.embed = nnx.Embed(vocab_in, cfg.d_model, rngs=rngs)
         rsa = cfg.rem_config() if cfg.model.startswith("rsa_") else None
         cls = aj.Aaren if cfg.model.endswith("aaren") else aj.Transformer
@@ -112,7 +136,9 @@ class LanguageModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
         """Logits. tokens [B, T] int, mask [B, T] bool -> [B, T, V]"""
-        x = self.embed(tokens) + sinusoidal_encoding(tokens.shape[1], self.d_model)[None]
+        x = self.embed(tokens)
+        if self.positional == "sinusoidal":
+            x = x + sinusoidal_encoding(tokens.shape[1], self.d_model)[None]
         return self.head(self.backbone(x, mask))
 
 
@@ -263,7 +289,7 @@ def train_and_evaluate(cfg: Config, workdir: str | None = None, datasets=None) -
         "rsa_counts": list(cfg.rsa_counts) if cfg.model.startswith("rsa_") else None,
         "rsa_dilations": list(cfg.rsa_dilations) if cfg.model.startswith("rsa_") else None,
         "mu_init": cfg.mu_init if cfg.model.startswith("rsa_") else None,
-        "positional": "sinusoidal",
+        "positional": cfg.positional_encoding,
         "backend": jax.default_backend(),
         "step_ms": 1e3 * train_s / max(cfg.epochs * steps_per_epoch, 1),
         "wall_s": time.perf_counter() - t0,

@@ -525,16 +525,19 @@ def _masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     return out.astype(v.dtype)
 
 
-def _masked_attention_split(q: Array, segments) -> Array:
-    """``_masked_attention`` over the keys of several segments, without concatenating them.
+def _masked_attention_split(q: Array, segments, gate: Array | None = None) -> Array:
+    """``_masked_attention`` (or ``_rsa_attention``) over several key segments, unconcatenated.
 
     One softmax over the keys of every segment; lets a decode step attend over the cache as
-    it was before this token's write, and over this token apart (see ``_after``).
+    it was before this token's write, and over this token apart (see ``_after``). With a
+    ``gate``, each segment's REM columns are mixed in as in ``_rsa_attention``.
 
     Args:
       q: queries, pre-scaled. [B, H, Tq, D]
-      segments: ``(k, v, mask)`` triples: keys and values [B, H, S_i, D], and
-        True where query t may attend key s [B, 1, Tq, S_i].
+      segments: ``(k, v, mask, rem)`` tuples: keys and values [B, H, S_i, D], True where
+        query t may attend key s [B, 1, Tq, S_i], and the REM columns [H, Tq, S_i] or None
+        (zero).
+      gate: ``sigmoid(mu)`` [], or None for plain softmax attention.
 
     Returns:
       Outputs in the first segment's ``v`` dtype; exactly 0 for a row with no valid key.
@@ -544,21 +547,35 @@ def _masked_attention_split(q: Array, segments) -> Array:
     acc = jnp.promote_types(out_dtype, jnp.float32)
     scores = [
         jnp.where(mask, jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc), -jnp.inf)
-        for k, _, mask in segments
+        for k, _, mask, _ in segments
     ]
     top = scores[0].max(axis=-1, keepdims=True)
     for s in scores[1:]:
         top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
     # A row with every key masked has top = -inf: use 0 so exp gives 0, not NaN.
     top = jax.lax.stop_gradient(jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
-    denom = out = None
-    for s, (_, v, mask) in zip(scores, segments, strict=True):
-        weights = jnp.exp(jnp.where(mask, s - top, -jnp.inf))
-        part = jnp.einsum("bhts,bhsd->bhtd", weights.astype(v.dtype), v, preferred_element_type=acc)
-        total = jnp.sum(weights, axis=-1, keepdims=True)
-        out = part if out is None else out + part
-        denom = total if denom is None else denom + total
-    out = out / jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    weights = [
+        jnp.exp(jnp.where(mask, s - top, -jnp.inf))
+        for s, (_, _, mask, _) in zip(scores, segments, strict=True)
+    ]
+    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    if gate is None:
+        # Normalise the [B, H, Tq, D] output rather than the [B, H, Tq, S] weights.
+        out = sum(
+            jnp.einsum("bhts,bhsd->bhtd", w.astype(v.dtype), v, preferred_element_type=acc)
+            for w, (_, v, _, _) in zip(weights, segments, strict=True)
+        )
+        return (out / denom).astype(out_dtype)
+    gate = gate.astype(acc)
+    out = 0
+    for w, (_, v, mask, rem) in zip(weights, segments, strict=True):
+        mix = (1 - gate) * (w / denom)
+        if rem is not None:
+            mix = mix + gate * jnp.where(mask, rem.astype(acc)[None], jnp.zeros((), acc))
+        out = out + jnp.einsum(
+            "bhts,bhsd->bhtd", mix.astype(v.dtype), v, preferred_element_type=acc
+        )
     return out.astype(out_dtype)
 
 
@@ -812,25 +829,18 @@ class CausalSelfAttention(nnx.Module):
         zero = jnp.zeros((), pos.dtype)  # indices of one integer type, also under x64
         cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid_t[:, None], (zero, pos))
         q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+        # The cache as it was (its valid slots are all before this token), then this token;
+        # the write comes after the reads (_after), so it happens in place.
+        old = (carry.k, carry.v, carry.valid[:, None, None, :], None)
+        this = (k, v, valid_t[:, None, None, None], None)
+        gate = None
         if self.rsa is not None:
-            cache_k = jax.lax.dynamic_update_slice(carry.k, k, (zero, zero, pos, zero))
-            cache_v = jax.lax.dynamic_update_slice(carry.v, v, (zero, zero, pos, zero))
-            # Slots beyond pos are never valid (unwritten), so validity alone is the causal mask.
-            attend = cache_valid[:, None, None, :]  # [B, 1, 1, C]
-            # The REM row of query position pos against every slot (App. D.2, q_offset).
-            rem = self.rsa.matrices(1, carry.capacity, q_offset=pos)
-            out = _rsa_attention(q, cache_k, cache_v, attend, rem, self.rsa.gate())
-        else:
-            # The cache as it was (its valid slots are all before this token), then this
-            # token; the write comes after the reads (_after), so it happens in place.
-            out = _masked_attention_split(
-                q,
-                [
-                    (carry.k, carry.v, carry.valid[:, None, None, :]),
-                    (k, v, valid_t[:, None, None, None]),
-                ],
-            )  # [B, H, 1, D]
-            cache_k = jax.lax.dynamic_update_slice(carry.k, _after(k, out), (zero, zero, pos, zero))
-            cache_v = jax.lax.dynamic_update_slice(carry.v, _after(v, out), (zero, zero, pos, zero))
+            # The REM row of query position pos against every slot (App. D.2, q_offset);
+            # the masked REM is strictly lower triangular, so this token's own entry is 0.
+            old = old[:3] + (self.rsa.matrices(1, carry.capacity, q_offset=pos),)
+            gate = self.rsa.gate()
+        out = _masked_attention_split(q, [old, this], gate)  # [B, H, 1, D]
+        cache_k = jax.lax.dynamic_update_slice(carry.k, _after(k, out), (zero, zero, pos, zero))
+        cache_v = jax.lax.dynamic_update_slice(carry.v, _after(v, out), (zero, zero, pos, zero))
         y = self.o_proj(out.reshape(batch, self.d_model))
         return KVCache(cache_k, cache_v, cache_valid, pos + 1), y
