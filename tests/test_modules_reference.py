@@ -66,3 +66,47 @@ def test_attention_layers_match_float64_equations(learned_query):
     expected = _reference(layer, x, mask, learned_query)
     valid = mask.cumsum(-1) > 0  # positions after the first valid token
     np.testing.assert_allclose(np.asarray(got)[valid], expected[valid], atol=2e-5, rtol=1e-4)
+
+
+def _rem_reference(rsa, length):
+    """Masked REMs of counts (3, 1, 1, 0, 0, 0) from the closed forms. [H, T, T]"""
+    lag = np.arange(length)[:, None] - np.arange(length)[None, :]
+    j = np.where(lag > 0, lag, 0).astype(np.float64)
+    lam = np.tanh(np.asarray(rsa.eta[...], np.float64))
+    gamma = 1 / (1 + np.exp(-np.asarray(rsa.nu[...], np.float64)))
+    theta = np.asarray(rsa.theta[...], np.float64)
+    mats = [lam[h] ** j for h in range(3)]
+    mats.append(gamma[0] ** j * np.cos(j * theta[0]))
+    mats.append(gamma[1] ** j * np.sin(j * theta[1]))
+    return np.stack(mats) * (lag > 0)
+
+
+def test_rsa_transformer_matches_float64_equations():
+    """RSA eq. (4) per head: [(1 - sigmoid(mu)) softmax(QK^T / sqrt(D) + M) + sigmoid(mu) P] V,
+    with P the masked REM over the valid tokens' slots (padded keys' columns zeroed)."""
+    layer = aj.CausalSelfAttention(20, 5, rsa=aj.REMConfig((3, 1, 1, 0, 0, 0)), rngs=nnx.Rngs(1))
+    layer.rsa.mu[...] = 0.3  # a gate away from its initial value
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 8, 20)).astype(np.float32)
+    mask = np.ones((3, 8), bool)
+    mask[1, :3] = False  # left padding
+    mask[2] = rng.random(8) > 0.3
+    got = np.asarray(jax.jit(lambda x, m: layer(x, mask=m))(x, mask))
+
+    x64 = np.asarray(x, np.float64)
+    q, k, v = (_heads(_linear(p, x64), 5) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    allowed = np.tril(np.ones((8, 8), bool))[None, None] & mask[:, None, None, :]
+    probs = _softmax_rows(q @ k.transpose(0, 1, 3, 2) / np.sqrt(4), allowed)
+    gate = 1 / (1 + np.exp(-0.3))
+    rem = _rem_reference(layer.rsa, 8)[None] * mask[:, None, None, :]
+    out = ((1 - gate) * probs + gate * rem) @ v
+    expected = _linear(layer.o_proj, out.transpose(0, 2, 1, 3).reshape(3, 8, 20))
+    valid = mask.cumsum(-1) > 0
+    np.testing.assert_allclose(got[valid], expected[valid], atol=2e-5, rtol=1e-4)
+    # Rows before the first valid token attend nothing: exactly the output bias.
+    bias = np.asarray(layer.o_proj.bias[...])
+    np.testing.assert_array_equal(got[1, :3], np.broadcast_to(bias, (3, 20)))
+
+    # Valid outputs get exactly zero gradient from padded tokens (softmax and REM paths).
+    grad = jax.grad(lambda x: (layer(x, mask=mask) * mask[..., None]).sum())(x)
+    assert np.all(np.asarray(grad)[~mask] == 0) and np.all(np.isfinite(grad))

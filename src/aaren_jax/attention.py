@@ -194,19 +194,23 @@ class RecurrenceEncoding(nnx.Module):
         )
 
 
-def _rsa_attention(q: Array, k: Array, v: Array, mask: Array, rem: Array, gate: Array):
-    """RSA heads, eq. (4): ``[(1 - g) softmax(q k^T + mask) + g P] v``, reading ``v`` once.
+def _rsa_attention(
+    q: Array, k: Array, v: Array, mask: Array, key_valid: Array, rem: Array, gate: Array
+) -> Array:
+    """RSA heads, eq. (4): ``(1 - g) softmax(q k^T + mask) v + g P v``.
 
     The softmax runs in float32 (float64 for float64 inputs); masked keys are excluded from
-    the softmax and their REM columns are zeroed, so padding never leaks. A row with no
-    valid key gives exactly 0 (its softmax part is 0, its REM row is all masked).
+    the softmax and padded keys' values are zeroed for the REM product, so padding never
+    leaks and gets exactly zero gradient. A row with no valid key gives exactly 0 (its
+    softmax part is zeroed, its REM row meets only zeroed values).
 
     Args:
       q: queries, pre-scaled. [B, H, Tq, D]
       k: keys. [B, H, S, D]
       v: values. [B, H, S, D]
       mask: True where query t may attend key s. [B, 1, Tq, S]
-      rem: the heads' REMs for these queries and keys. [H, Tq, S]
+      key_valid: True for keys that hold a token (not padding). [B, S]
+      rem: the heads' masked REMs for these queries and keys (zero at lags <= 0). [H, Tq, S]
       gate: ``sigmoid(mu)``. []
 
     Returns:
@@ -214,17 +218,18 @@ def _rsa_attention(q: Array, k: Array, v: Array, mask: Array, rem: Array, gate: 
     """
     acc = jnp.promote_types(v.dtype, jnp.float32)
     scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc)
-    scores = jnp.where(mask, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    top = jax.lax.stop_gradient(jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
-    weights = jnp.exp(jnp.where(mask, scores - top, -jnp.inf))
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    # A finite floor rather than -inf: exp gives exactly 0 for masked keys in any row with a
+    # valid key, and jax.nn.softmax (one fused pass and a cheap VJP) needs no NaN guard.
+    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(acc).min), axis=-1)
+    # A row with no valid key came out uniform over masked keys: make it 0.
+    probs = jnp.where(jnp.any(mask, axis=-1, keepdims=True), probs, jnp.zeros((), acc))
+    attended = jnp.einsum("bhts,bhsd->bhtd", probs.astype(v.dtype), v, preferred_element_type=acc)
+    v_valid = jnp.where(key_valid[:, None, :, None], v, jnp.zeros((), v.dtype))
+    recurrent = jnp.einsum(
+        "hts,bhsd->bhtd", rem.astype(v.dtype), v_valid, preferred_element_type=acc
+    )
     gate = gate.astype(acc)
-    rem = jnp.where(mask, rem.astype(acc)[None], jnp.zeros((), acc))
-    mix = (1 - gate) * probs + gate * rem
-    out = jnp.einsum("bhts,bhsd->bhtd", mix.astype(v.dtype), v, preferred_element_type=acc)
-    return out.astype(v.dtype)
+    return ((1 - gate) * attended + gate * recurrent).astype(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -741,6 +746,7 @@ class CausalSelfAttention(nnx.Module):
                     jnp.swapaxes(k, 1, 2),
                     jnp.swapaxes(v, 1, 2),
                     attend,
+                    valid,
                     self.rsa.matrices(length, length),
                     self.rsa.gate(),
                 )
@@ -780,7 +786,9 @@ class CausalSelfAttention(nnx.Module):
         qh = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
         if self.rsa is not None:
             rem = self.rsa.matrices(length, carry.capacity, q_offset=start)
-            out = _rsa_attention(qh, cache_k, cache_v, attend, rem, self.rsa.gate())  # [B, H, T, D]
+            out = _rsa_attention(
+                qh, cache_k, cache_v, attend, cache_valid, rem, self.rsa.gate()
+            )  # [B, H, T, D]
         else:
             out = _masked_attention(qh, cache_k, cache_v, attend)  # [B, H, T, D]
         y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
