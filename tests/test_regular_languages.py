@@ -74,6 +74,7 @@ def test_tables_separate_default_runs_from_ablations():
         rec("rsa_transformer", "none", 1.0),
         rec("rsa_transformer", "sinusoidal", 0.1),
         rec("transformer", "sinusoidal", 0.5, epochs=3),  # not the paper's epochs
+        rec("rsa_transformer", "none", 0.0),  # a second record of the first run: ignored
     ]
     main_row = next(line for line in sweep.table(records).splitlines() if line.startswith("| d2"))
     assert "1.00 / 1.00 (n=1)" in main_row and "0.10" not in main_row

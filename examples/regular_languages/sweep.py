@@ -66,6 +66,17 @@ PAPER = {
 }
 
 
+def _unique(records: list[dict]) -> list[dict]:
+    """The first record of each run (two sweeps sharing a file may both finish one)."""
+    seen, unique = set(), []
+    for r in records:
+        key = record_key(r, KEY)
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    return unique
+
+
 def _cell(records: list[dict]) -> str:
     if not records:
         return "pending"
@@ -80,6 +91,7 @@ def table(records: list[dict], models=train.MODELS) -> str:
     Only records with the model's default positional encoding (``train.DEFAULT_POSITIONAL``)
     and the paper's epochs and training size count here; see ``ablation_table``.
     """
+    records = _unique(records)
     header = "| language | " + " | ".join(f"{m} bin0 / bin1" for m in models)
     header += " | paper Transformer | paper RSA-Transformer (III) |"
     lines = [header, "|" + "---|" * (len(models) + 3)]
@@ -109,6 +121,7 @@ def _is_default(record: dict) -> bool:
 
 def ablation_table(records: list[dict]) -> str:
     """Markdown: each (model, positional encoding) pair against the default, per language."""
+    records = _unique(records)
     combos = sorted(
         {(r["model"], r["positional"]) for r in records if not _is_default(r)},
         key=lambda c: (train.MODELS.index(c[0]), c[1]),
@@ -168,6 +181,10 @@ def main(argv=None) -> None:
     for n, (lang, model, seed, positional) in enumerate(runs):
         if args.max_runs is not None and n >= args.max_runs:
             break
+        if (lang, model, seed, positional) in {
+            record_key(r, KEY) for r in load_records(args.results)
+        }:
+            continue  # recorded meanwhile by another sweep sharing the file
         overrides = {"epochs": args.epochs, "train_size": args.train_size}
         cfg = train.Config(
             language=lang,
