@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import aaren_jax as aj
+from tests.helpers import count_params, forward
 
 D_MODEL, HEADS, D_FF = 16, 2, 32
 B, T = 2, 8
@@ -40,17 +41,6 @@ def get_model(kind: str, num_layers: int, dtype: str = "float32", norm: str = "p
 @functools.cache
 def get_step_fn(kind: str, num_layers: int, dtype: str = "float32", norm: str = "pre"):
     return aj.make_step_fn(get_model(kind, num_layers, dtype, norm))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, x, mask, carry):
-    return nnx.merge(graphdef, state)(x, mask, carry=carry, return_carry=True)
-
-
-def forward(model, x, mask=None, carry=None):
-    """``model(x, mask, carry=carry, return_carry=True)`` under ``jax.jit``."""
-    graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, x, mask, carry)
 
 
 def inputs(seed: int, shape=(B, T, D_MODEL), dtype="float32"):
@@ -81,10 +71,6 @@ def assert_carries_close(a, b, dtype="float32"):
 
 # ----------------------------------------------------------------------------------------
 # Parameters
-
-
-def count_params(module) -> int:
-    return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
 def test_param_counts_binding():

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.test_util import check_grads
 
 import aaren_jax as aj
+from tests.helpers import count_params, forward
 
 # Every REM type: regular, cos, sin, and dilated versions (dilations 2 and 3).
 CFG = aj.REMConfig((1, 1, 1, 1, 1, 1), dilations=(2, 3, 2))
@@ -47,16 +48,6 @@ def get_model(kind: str):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, x, mask, carry):
-    return nnx.merge(graphdef, state)(x, mask, carry=carry, return_carry=True)
-
-
-def forward(model, x, mask=None, carry=None):
-    graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, x, mask, carry)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def _step(graphdef, state, carry, x_t, mask_t):
     return nnx.merge(graphdef, state).step(carry, x_t, mask_t)
 
@@ -77,10 +68,6 @@ def inputs(seed: int, shape=(B, T, D_MODEL), dtype=jnp.float32):
 
 def assert_close(a, b, tol=2e-5):
     chex.assert_trees_all_close(a, b, atol=tol, rtol=tol)
-
-
-def count_params(model) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,22 @@
+"""Helpers shared by the module tests: a jitted full pass and a parameter count."""
+
+import functools
+
+import jax
+from flax import nnx
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, x, mask, carry):
+    return nnx.merge(graphdef, state)(x, mask, carry=carry, return_carry=True)
+
+
+def forward(model, x, mask=None, carry=None):
+    """``model(x, mask, carry=carry, return_carry=True)`` under ``jax.jit``."""
+    graphdef, state = nnx.split(model)
+    return _forward(graphdef, state, x, mask, carry)
+
+
+def count_params(module) -> int:
+    """Number of scalars in the module's ``nnx.Param`` leaves."""
+    return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
