@@ -502,40 +502,14 @@ def check_capacity(carry, num_new: int = 1) -> None:
             )
 
 
-def _masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Softmax attention with a boolean key mask; rows with no valid key give exactly 0.
+def _masked_attention(q: Array, segments, gate: Array | None = None) -> Array:
+    """Softmax attention with boolean key masks over one or more key segments.
 
-    Softmax in float32; masked scores are excluded before ``exp`` (no NaN, no leak).
-
-    Args:
-      q: queries, pre-scaled. [B, H, Tq, D]
-      k: keys. [B, H, S, D]
-      v: values. [B, H, S, D]
-      mask: True where query t may attend key s. [B, 1, Tq, S]
-
-    Returns:
-      Outputs in ``v``'s dtype. [B, H, Tq, D]
-    """
-    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    # A row with every key masked has top = -inf: use 0 so exp gives 0, not NaN.
-    top = jax.lax.stop_gradient(jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
-    weights = jnp.exp(jnp.where(mask, scores - top, -jnp.inf))
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum(
-        "bhts,bhsd->bhtd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
-    out = out / jnp.where(denom > 0, denom, jnp.ones_like(denom))
-    return out.astype(v.dtype)
-
-
-def _masked_attention_split(q: Array, segments, gate: Array | None = None) -> Array:
-    """``_masked_attention`` (or ``_rsa_attention``) over several key segments, unconcatenated.
-
-    One softmax over the keys of every segment; lets a decode step attend over the cache as
-    it was before this token's write, and over this token apart (see ``_after``). With a
-    ``gate``, each segment's REM columns are mixed in as in ``_rsa_attention``.
+    One softmax (float32, or float64 for float64 inputs) over the keys of every segment,
+    without concatenating them: a decode step attends over the cache as it was before this
+    token's write, and over this token apart (see ``_after``). Masked scores are excluded
+    before ``exp`` (no NaN, no leak); a row with no valid key gives exactly 0. With a
+    ``gate``, the segments' REM columns are mixed in as in ``_rsa_attention``.
 
     Args:
       q: queries, pre-scaled. [B, H, Tq, D]
@@ -564,24 +538,26 @@ def _masked_attention_split(q: Array, segments, gate: Array | None = None) -> Ar
         for s, (_, _, mask, _) in zip(scores, segments, strict=True)
     ]
     denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    denom = jnp.where(denom > 0, denom, jnp.ones_like(denom))
+    # Normalise the [B, H, Tq, D] output rather than the [B, H, Tq, S] weights.
+    out = sum(
+        jnp.einsum("bhts,bhsd->bhtd", w.astype(v.dtype), v, preferred_element_type=acc)
+        for w, (_, v, _, _) in zip(weights, segments, strict=True)
+    )
+    out = out / jnp.where(denom > 0, denom, jnp.ones_like(denom))
     if gate is None:
-        # Normalise the [B, H, Tq, D] output rather than the [B, H, Tq, S] weights.
-        out = sum(
-            jnp.einsum("bhts,bhsd->bhtd", w.astype(v.dtype), v, preferred_element_type=acc)
-            for w, (_, v, _, _) in zip(weights, segments, strict=True)
+        return out.astype(out_dtype)
+    recurrent = sum(
+        jnp.einsum(
+            "bhts,bhsd->bhtd",
+            jnp.where(mask, rem.astype(v.dtype)[None], jnp.zeros((), v.dtype)),
+            v,
+            preferred_element_type=acc,
         )
-        return (out / denom).astype(out_dtype)
+        for _, v, mask, rem in segments
+        if rem is not None
+    )
     gate = gate.astype(acc)
-    out = 0
-    for w, (_, v, mask, rem) in zip(weights, segments, strict=True):
-        mix = (1 - gate) * (w / denom)
-        if rem is not None:
-            mix = mix + gate * jnp.where(mask, rem.astype(acc)[None], jnp.zeros((), acc))
-        out = out + jnp.einsum(
-            "bhts,bhsd->bhtd", mix.astype(v.dtype), v, preferred_element_type=acc
-        )
-    return out.astype(out_dtype)
+    return ((1 - gate) * out + gate * recurrent).astype(out_dtype)
 
 
 def _after(x: Array, y: Array) -> Array:
@@ -790,7 +766,7 @@ class CausalSelfAttention(nnx.Module):
                 qh, cache_k, cache_v, attend, cache_valid, rem, self.rsa.gate()
             )  # [B, H, T, D]
         else:
-            out = _masked_attention(qh, cache_k, cache_v, attend)  # [B, H, T, D]
+            out = _masked_attention(qh, [(cache_k, cache_v, attend, None)])  # [B, H, T, D]
         y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
         new = KVCache(cache_k, cache_v, cache_valid, start + jnp.asarray(length, jnp.int32))
         return (y, new) if return_carry else y
@@ -847,7 +823,7 @@ class CausalSelfAttention(nnx.Module):
             # the masked REM is strictly lower triangular, so this token's own entry is 0.
             old = old[:3] + (self.rsa.matrices(1, carry.capacity, q_offset=pos),)
             gate = self.rsa.gate()
-        out = _masked_attention_split(q, [old, this], gate)  # [B, H, 1, D]
+        out = _masked_attention(q, [old, this], gate)  # [B, H, 1, D]
         cache_k = jax.lax.dynamic_update_slice(carry.k, _after(k, out), (zero, zero, pos, zero))
         cache_v = jax.lax.dynamic_update_slice(carry.v, _after(v, out), (zero, zero, pos, zero))
         y = self.o_proj(out.reshape(batch, self.d_model))
