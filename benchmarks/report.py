@@ -2,6 +2,7 @@
 
     python benchmarks/report.py                 # every table whose results exist
     python benchmarks/report.py --only scan
+    python benchmarks/report.py --only cost     # after benchmarks/examples_cost.py
 
 Each figure in a table is read from ``results/``; the paper's numbers beside ours are
 quoted from "Attention as an RNN" (Feng et al., 2024), Tables 3-5 and 4 (Appendix D).
@@ -141,7 +142,51 @@ def forecasting_table():
     return "\n".join(lines)
 
 
+def cost_table():
+    """Steady-state training throughput (benchmark) beside the sweeps' wall time per run."""
+    report = _load("examples_cost_cpu.json")
+    if report is None:
+        return None
+    runs = {
+        "forecasting": _load("forecasting.json") or [],
+        "classification": _load("classification.json") or [],
+    }
+    machine = report["machine"]
+    lines = [
+        f"Machine: {machine['cpu_model']}, {machine['cpu_count']} cores, jax {machine['jax']} "
+        f"({machine['backend']}). Command: `{report['command']}`; wall time per run from "
+        "`results/forecasting.json` and `results/classification.json`.",
+        "",
+        "| example | dataset | horizon | model | batch x length | training tokens/s (median) "
+        "| step ms (median) | compile s | wall s per run: median (min-max), n |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        for model in ("aaren", "transformer"):
+            walls = [
+                r["wall_s"]
+                for r in runs[row["example"]]
+                if r["dataset"] == row["dataset"]
+                and r["model"] == model
+                and (row["horizon"] is None or int(r["horizon"]) == row["horizon"])
+            ]
+            wall = (
+                f"{np.median(walls):.0f} ({min(walls):.0f}-{max(walls):.0f}), n={len(walls)}"
+                if walls
+                else "no runs yet"
+            )
+            m = row[model]
+            lines.append(
+                f"| {row['example']} | {row['dataset']} | {row['horizon'] or '-'} | {model} "
+                f"| {row['batch']} x {row['tokens_per_batch'] // row['batch']} "
+                f"| {m['tokens_per_s_median']:,} | {m['step_ms']['median']:.1f} "
+                f"| {m['compile_s']:.1f} | {wall} |"
+            )
+    return "\n".join(lines)
+
+
 TABLES = {
+    "cost": cost_table,
     "scan": scan_table,
     "classification": classification_table,
     "forecasting": forecasting_table,

@@ -7,7 +7,7 @@ The examples run as scripts (``python examples/forecasting/main.py``) or as modu
 
 from examples.common.backbone import BACKBONES, make_backbone
 from examples.common.checkpoint import CheckpointIO
-from examples.common.loop import LoopConfig, TrainResult, fit
+from examples.common.loop import LoopConfig, TrainResult, TrainStep, fit, make_train_step
 from examples.common.optim import OptimConfig, make_optimizer, weight_decay_mask
 from examples.common.progress import setup_logging
 from examples.common.results import append_record, load_records, record_key
@@ -18,11 +18,13 @@ __all__ = [
     "LoopConfig",
     "OptimConfig",
     "TrainResult",
+    "TrainStep",
     "append_record",
     "fit",
     "load_records",
     "make_backbone",
     "make_optimizer",
+    "make_train_step",
     "record_key",
     "setup_logging",
     "weight_decay_mask",

@@ -128,6 +128,39 @@ def _eval_step(params, rest, batch, *, graphdef, eval_fn):
     return eval_fn(nnx.merge(graphdef, params, rest), batch)
 
 
+class TrainStep(NamedTuple):
+    """The jitted training step ``fit`` runs, with its initial state.
+
+    Attributes:
+      step: ``step(params, opt_state, rest, batch, global_step) -> (params, opt_state, loss)``;
+        ``params`` and ``opt_state`` are donated.
+      params: the model's parameters.
+      opt_state: the optimiser's initial state.
+      rest: the model's other state (RNG streams), reseeded from the global step inside.
+    """
+
+    step: Callable
+    params: Any
+    opt_state: Any
+    rest: Any
+
+
+def make_train_step(
+    model: nnx.Module,
+    loss_fn: Callable[[nnx.Module, Batch], tuple[jax.Array, Any]],
+    optim: OptimConfig,
+    seed: int,
+) -> TrainStep:
+    """The training step of ``model`` in training mode (also used by the cost benchmark)."""
+    model.train()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = make_optimizer(optim, params)
+    step = functools.partial(
+        _train_step, graphdef=graphdef, tx=tx, loss_fn=loss_fn, base_key=jax.random.key(seed)
+    )
+    return TrainStep(step, params, tx.init(params), rest)
+
+
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """The data order of one epoch; a pure function of (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(n)
@@ -184,15 +217,7 @@ def fit(
 
     model.eval()
     graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
-    model.train()
-    graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(optim, params)
-    opt_state = tx.init(params)
-    base_key = jax.random.key(loop.seed)
-
-    train_step = functools.partial(
-        _train_step, graphdef=graphdef_train, tx=tx, loss_fn=loss_fn, base_key=base_key
-    )
+    train_step, params, opt_state, rest = make_train_step(model, loss_fn, optim, loop.seed)
     eval_step = functools.partial(_eval_step, graphdef=graphdef_eval, eval_fn=eval_fn)
 
     def evaluate_params(p, source: BatchSource) -> dict:
