@@ -139,7 +139,42 @@ def forecasting_table():
             f"| {cell(t, 'mse')} | {paper_t[0]} +- {paper_t[1]} | {cell(a, 'mae')} "
             f"| {cell(t, 'mae')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ["", forecasting_summary(by_key)])
+
+
+def forecasting_summary(by_key) -> str:
+    """The figures the README's reading quotes: cells at or below the paper, wins, means."""
+    cells = [
+        (by_key[(d, h, "aaren")], by_key[(d, h, "transformer")], paper_a[0])
+        for (d, h), (paper_a, _) in PAPER_FORECASTING.items()
+        if by_key.get((d, h, "aaren")) and by_key.get((d, h, "transformer"))
+    ]
+    if not cells:
+        return "No horizon has runs of both models yet."
+
+    def mean(rows):
+        return float(np.mean([r["mse"] for r in rows]))
+
+    at_or_below = [round(mean(a), 2) <= paper for a, _, paper in cells]
+    misses = [
+        f"{a[0]['dataset']}-{a[0]['horizon']} ({mean(a):.3f} against {paper})"
+        for (a, _, paper), ok in zip(cells, at_or_below, strict=True)
+        if not ok
+    ]
+    wins = sum(mean(a) < mean(t) for a, t, _ in cells)
+    seeds = sorted({len(a) for a, _, _ in cells} | {len(t) for _, t, _ in cells})
+    walls = [r["wall_s"] for a, t, _ in cells for r in a + t]
+    return (
+        f"Summary over {len(cells)} horizons ({'/'.join(map(str, seeds))} seeds per cell): "
+        f"Aaren's mean MSE, rounded to the paper's 2 decimals, is at or below the paper's in "
+        f"{sum(at_or_below)} of {len(cells)}"
+        + (f" (above: {', '.join(misses)})" if misses else "")
+        + f"; Aaren beats our Transformer in {wins} of {len(cells)}; mean MSE over the horizons "
+        f"{np.mean([mean(a) for a, _, _ in cells]):.3f} (Aaren) against "
+        f"{np.mean([mean(t) for _, t, _ in cells]):.3f} (Transformer); "
+        f"wall time per run {min(walls):.0f}-{max(walls):.0f} s "
+        f"(median {np.median(walls):.0f} s, {len(walls)} runs)."
+    )
 
 
 def cost_table():
