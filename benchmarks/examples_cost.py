@@ -4,16 +4,17 @@
                                                   # classification (2 datasets), both models
     python benchmarks/examples_cost.py --quick    # ETTh1 H=96 and JapaneseVowels only
 
-For each configuration above, the script loads the real data (``--data-root``,
-default ``../shared/data``), builds the default model and optimiser exactly as the example's
+For each configuration above, the script loads the real data (``--data-root``, default
+``../shared/data``), builds the default model and optimiser exactly as the example's
 ``train.py`` does, and times the jitted training step that ``examples.common.fit`` runs
-(forward, backward, AdamW update) on the run's batch size: the compile is timed apart, one
-warm-up step excluded, then min and median of ``--repeats`` steps. Aaren and the Transformer
-are timed alternately, step by step (same noise). Tokens per second count every position of
-the padded input windows (``batch x input length``). The per-run wall time of the sweeps,
-which adds validation, data loading and compiles, is in ``results/forecasting.json`` and
-``results/classification.json``. The four ETT datasets give the same shapes up to one
-time feature (7 channels, input 96), so ETTh1 stands for them all; weather has 21 channels.
+(forward, backward, AdamW update) on the run's batch size: the first call (trace, compile, one
+step) is timed apart as ``compile_s``, one warm-up step excluded, then min and median of
+``--repeats`` steps. Aaren and the Transformer are timed alternately, step by step (same
+noise). Tokens per second count every position of the padded input windows (``batch x input
+length``). The per-run wall time of the sweeps, which adds validation, data loading and
+compiles, is in ``results/forecasting.json`` and ``results/classification.json``. The four ETT
+datasets give the same shapes up to one time feature (7 channels, input 96), so ETTh1 stands
+for them all; weather has 21 channels.
 
 Writes ``results/examples_cost_<backend>.json`` (also printed).
 """
@@ -42,7 +43,7 @@ MODELS = ("aaren", "transformer")
 
 
 def stepper(train):
-    """A no-argument function running one training step of ``train`` (a ``TrainStep``)."""
+    """``one_step(batch) -> loss``: one training step of ``train`` (a ``TrainStep``) per call."""
     step_fn, params, opt_state, rest = train
     global_step = 0
 
