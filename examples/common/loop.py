@@ -70,6 +70,8 @@ class TrainResult(NamedTuple):
       evaluate: ``evaluate(source) -> metrics`` with the best parameters.
       wall_s: seconds spent in this call (training and validation).
       params: the parameters after the last step (not the best ones).
+      done: whether training is complete (early stop or the epoch cap), as opposed to
+        stopped by ``max_steps`` and resumable.
     """
 
     model: nnx.Module
@@ -79,6 +81,7 @@ class TrainResult(NamedTuple):
     evaluate: Callable[[BatchSource], dict]
     wall_s: float
     params: Any
+    done: bool = False
 
 
 def _reseed(rest, key: jax.Array):
@@ -265,13 +268,21 @@ def fit(
 
     # --- training ---------------------------------------------------------------------------
     stop_at = total_steps if loop.max_steps is None else min(total_steps, loop.max_steps)
-    bar = Progress(stop_at, step, desc, enabled=loop.progress and not done)
+    # One bar per epoch: early stopping cannot make its total (and ETA) wrong.
+    bar = None
     loss_acc, loss_n, epoch_loss, epoch_n = None, 0, 0.0, 0
     perm, perm_epoch = None, -1
     while not done and step < stop_at:
         epoch, i = divmod(step, steps_per_epoch)
         if perm_epoch != epoch:
             perm, perm_epoch = epoch_permutation(len(train_data), loop.seed, epoch), epoch
+        if bar is None:
+            bar = Progress(
+                min(steps_per_epoch, stop_at - epoch * steps_per_epoch),
+                i,
+                f"{desc} epoch {epoch + 1}/{loop.max_epochs}",
+                enabled=loop.progress,
+            )
         idx = perm[i * loop.batch_size : (i + 1) * loop.batch_size]
         params, opt_state, loss = train_step(
             params, opt_state, rest, train_data.batch(idx), jnp.asarray(step, jnp.uint32)
@@ -285,6 +296,8 @@ def fit(
             bar.update(loss_n, mean_loss, loss_n * loop.batch_size * tokens_per_example)
             loss_acc, loss_n = None, 0
         if step % steps_per_epoch == 0:  # end of an epoch: validate, early-stop, checkpoint
+            bar.close()
+            bar = None
             val = evaluate_params(params, val_data)
             record = {
                 "epoch": step // steps_per_epoch,
@@ -314,7 +327,8 @@ def fit(
                 save()
     if step == stop_at and step % steps_per_epoch != 0:
         save()  # stopped mid-epoch (max_steps): keep the exact state for resumption
-    bar.close()
+    if bar is not None:
+        bar.close()
     if ckpt is not None:
         ckpt.close()
 
@@ -329,4 +343,5 @@ def fit(
         evaluate=functools.partial(evaluate_params, best_params),
         wall_s=time.perf_counter() - t_start,
         params=params,
+        done=done,
     )

@@ -17,6 +17,15 @@ def default_data_root() -> Path:
     return REPO_ROOT.parent / "shared" / "data"
 
 
+def runs_root() -> Path:
+    """Where run folders and sweep results go unless named: ``$AAREN_RUNS_ROOT`` or
+    ``<repo>/workdirs`` (ignored by git)."""
+    env = os.environ.get("AAREN_RUNS_ROOT")
+    if env:
+        return Path(env)
+    return REPO_ROOT / "workdirs"
+
+
 def ensure_importable() -> None:
     """Puts the repository root (and ``src/`` for an uninstalled checkout) on ``sys.path``."""
     for p in (REPO_ROOT, REPO_ROOT / "src"):
