@@ -32,8 +32,12 @@ class ModelConfig:
 class DataConfig:
     """Which series and windows."""
 
-    dataset: str = "ETTh1"  # a key of data.DATASETS
+    dataset: str = "ETTh1"  # a key of data.DATASETS, or the name of the run's CSV
     data_root: str | None = None  # folder with ETT/, weather/, illness/; None: ../shared/data
+    csv: str | None = None  # any TSLib-format CSV (replaces the named dataset when set)
+    target: str = "OT"  # target column, moved last for the 70/10/20 split (as TSLib does)
+    freq: str | None = None  # time-feature frequency (h, t, d, 15min, ...); None: inferred
+    split: str = "auto"  # for a CSV: auto (ETT months if the name says ETTh/ETTm), custom, ...
     seq_len: int = 96  # input length L
     pred_len: int = 96  # horizon P
 

@@ -23,6 +23,7 @@ import datetime as _dt
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -120,66 +121,178 @@ class Table:
     values: np.ndarray
 
 
+# The date formats of TSLib's CSVs: ISO ("2016-07-01 00:00:00", ETT, weather, electricity,
+# traffic), slashes without leading zeros ("1990/1/1 0:00", exchange_rate), a date alone
+# ("2002-01-01"); seconds and a "T" separator are optional.
+_DATE = re.compile(
+    r"^\s*(\d{4})[-/](\d{1,2})[-/](\d{1,2})"
+    r"(?:[ T](\d{1,2}):(\d{1,2})(?::(\d{1,2})(?:\.(\d{1,6}))?)?)?\s*$"
+)
+
+
+class CSVFormatError(ValueError):
+    """A TSLib CSV that cannot be read or used; the message names file, row and column."""
+
+
+def parse_date(text: str) -> np.datetime64:
+    """One TSLib time stamp: ``YYYY-MM-DD[ HH:MM[:SS]]`` or ``YYYY/M/D[ H:MM[:SS]]``.
+
+    Raises:
+      ValueError: when ``text`` is in none of these formats or names no real date.
+    """
+    m = _DATE.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a date like 2016-07-01 00:00:00 or 1990/1/1 0:00")
+    y, mo, d, hh, mm, ss, frac = m.groups()
+    stamp = _dt.datetime(
+        int(y),
+        int(mo),
+        int(d),
+        int(hh or 0),
+        int(mm or 0),
+        int(ss or 0),
+        int((frac or "0").ljust(6, "0")),
+    )
+    return np.datetime64(stamp, "s")
+
+
 def read_csv(path: str | os.PathLike) -> Table:
-    """Reads a TSLib CSV (first column ``date`` as ``YYYY-MM-DD HH:MM:SS``, then numbers)."""
-    with open(path, newline="", encoding="utf-8") as f:
+    """Reads a TSLib CSV: a ``date`` column first, then one numeric column per channel.
+
+    Dates may be ISO (``2016-07-01 00:00:00``), ``Y/M/D H:MM`` (``1990/1/1 0:00``) or a date
+    alone (``2002-01-01``). Blank lines are skipped.
+
+    Args:
+      path: the CSV file.
+
+    Returns:
+      The dates, column names and values.
+
+    Raises:
+      CSVFormatError: naming the file, the row (1-based line number, header = 1) and the
+        column of the first value that cannot be read.
+    """
+    with open(path, newline="", encoding="utf-8-sig") as f:
         rows = list(csv.reader(f))
-    header, body = rows[0], [r for r in rows[1:] if r]
+    if not rows:
+        raise CSVFormatError(f"{path}: empty file")
+    header = [h.strip() for h in rows[0]]
     if header[0] != "date":
-        raise ValueError(f"{path}: first column must be 'date', got {header[0]!r}")
-    dates = np.array([r[0].replace(" ", "T") for r in body], dtype="datetime64[s]")
-    values = np.array([[float(v) for v in r[1:]] for r in body], dtype=np.float64)
-    return Table(dates=dates, columns=header[1:], values=values)
+        raise CSVFormatError(
+            f"{path}, row 1, column 1: the first column must be 'date' (TSLib format), "
+            f"got {header[0]!r}"
+        )
+    if len(header) < 2:
+        raise CSVFormatError(f"{path}, row 1: no value columns after 'date'")
+    dates, values = [], []
+    for line, row in enumerate(rows[1:], start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != len(header):
+            raise CSVFormatError(
+                f"{path}, row {line}: {len(row)} fields, the header has {len(header)}"
+            )
+        try:
+            dates.append(parse_date(row[0]))
+        except ValueError as e:
+            raise CSVFormatError(f"{path}, row {line}, column 'date': {e}") from None
+        try:
+            values.append([float(v) for v in row[1:]])
+        except ValueError:
+            for j, v in enumerate(row[1:], start=1):
+                try:
+                    float(v)
+                except ValueError:
+                    raise CSVFormatError(
+                        f"{path}, row {line}, column {header[j]!r}: {v!r} is not a number"
+                    ) from None
+    if not values:
+        raise CSVFormatError(f"{path}: no data rows")
+    return Table(
+        dates=np.array(dates, dtype="datetime64[s]"),
+        columns=header[1:],
+        values=np.array(values, dtype=np.float64),
+    )
+
+
+FREQS = ("s", "t", "h", "d", "b", "w", "m")  # TSLib's --freq letters (t: minutes, b: business days)
+
+
+def normalize_freq(freq: str) -> str:
+    """A TSLib ``--freq`` value ('h', '15min', '10t', 'd', ...) as one letter of ``FREQS``.
+
+    Raises:
+      ValueError: for a frequency TSLib's ``timeF`` features do not cover.
+    """
+    unit = freq.strip().lstrip("0123456789").lower()
+    unit = {"min": "t", "sec": "s", "hour": "h", "day": "d", "week": "w", "month": "m"}.get(
+        unit, unit
+    )
+    if unit not in FREQS:
+        raise ValueError(f"unknown frequency {freq!r}; expected one of {FREQS} (or e.g. '15min')")
+    return unit
 
 
 def infer_freq(dates: np.ndarray) -> str:
-    """TSLib frequency letter from the most common spacing: 't' (< 1 h), 'h', 'd' or 'w'."""
+    """TSLib frequency letter from the median spacing: 's', 't', 'h', 'd', 'w' or 'm'."""
     step = np.median(np.diff(dates).astype("timedelta64[s]").astype(np.int64))
+    if step < 60:
+        return "s"
     if step < 3600:
         return "t"
     if step < 86400:
         return "h"
     if step < 7 * 86400:
         return "d"
-    return "w"
+    if step < 28 * 86400:
+        return "w"
+    return "m"
 
 
 def time_features(dates: np.ndarray, freq: str) -> np.ndarray:
     """TSLib ``timeF`` features (``utils/timefeatures.py``), each in [-0.5, 0.5].
 
     'h': HourOfDay, DayOfWeek, DayOfMonth, DayOfYear; 't' (minutes): MinuteOfHour first, then
-    the same; 'd': DayOfWeek, DayOfMonth, DayOfYear; 'w': DayOfMonth, WeekOfYear.
+    the same; 's': SecondOfMinute first, then as 't'; 'd' and 'b': DayOfWeek, DayOfMonth,
+    DayOfYear; 'w': DayOfMonth, WeekOfYear; 'm': MonthOfYear.
 
     Args:
       dates: [N] ``datetime64`` stamps.
-      freq: one of 't', 'h', 'd', 'w'.
+      freq: one of ``FREQS``.
 
     Returns:
       [N, F] float32 features.
     """
     d = dates.astype("datetime64[s]")
     day = d.astype("datetime64[D]")
+    second = (d - d.astype("datetime64[m]")).astype(np.int64)
     minute = (d.astype("datetime64[m]") - d.astype("datetime64[h]")).astype(np.int64)
     hour = (d.astype("datetime64[h]") - day).astype(np.int64)
     dow = (day.astype(np.int64) + 3) % 7  # 1970-01-01 was a Thursday; Monday = 0 as in pandas
     dom = (day - day.astype("datetime64[M]")).astype(np.int64) + 1
     doy = (day - day.astype("datetime64[Y]")).astype(np.int64) + 1
+    month = (day.astype("datetime64[M]") - day.astype("datetime64[Y]")).astype(np.int64)
     feats = {
+        "second": second / 59.0 - 0.5,
         "minute": minute / 59.0 - 0.5,
         "hour": hour / 23.0 - 0.5,
         "dow": dow / 6.0 - 0.5,
         "dom": (dom - 1) / 30.0 - 0.5,
         "doy": (doy - 1) / 365.0 - 0.5,
+        "moy": month / 11.0 - 0.5,
     }
     if freq == "w":
         week = np.array([_dt.date.fromisoformat(str(x)).isocalendar()[1] for x in day])
         feats["woy"] = (week - 1) / 52.0 - 0.5
     names = {
+        "s": ["second", "minute", "hour", "dow", "dom", "doy"],
         "t": ["minute", "hour", "dow", "dom", "doy"],
         "h": ["hour", "dow", "dom", "doy"],
         "d": ["dow", "dom", "doy"],
+        "b": ["dow", "dom", "doy"],
         "w": ["dom", "woy"],
-    }[freq]
+        "m": ["moy"],
+    }[normalize_freq(freq)]
     return np.stack([feats[n] for n in names], axis=-1).astype(np.float32)
 
 
@@ -265,6 +378,32 @@ class ForecastData:
         return self.train.marks.shape[-1]
 
 
+SPLITS = ("auto", "custom", "ett_hour", "ett_minute")  # --split choices for a CSV
+
+
+def split_rule_for(path: str | os.PathLike, split: str = "auto") -> str:
+    """The TSLib split rule of a CSV: ETT's months where the file's name says ETTh or ETTm.
+
+    Args:
+      path: the CSV file.
+      split: "auto" (by name: ``ETTh*`` -> "ett_hour", ``ETTm*`` -> "ett_minute", otherwise
+        "custom", TSLib's 70/10/20), or one of those rules to force it.
+
+    Returns:
+      The rule for ``split_borders``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if split != "auto":
+        return split
+    stem = Path(path).stem
+    if stem.startswith("ETTh"):
+        return "ett_hour"
+    if stem.startswith("ETTm"):
+        return "ett_minute"
+    return "custom"
+
+
 def load_dataset(
     name: str,
     seq_len: int = 96,
@@ -287,21 +426,88 @@ def load_dataset(
       The splits, scaler and metadata.
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}")
+        raise ValueError(
+            f"unknown dataset {name!r}; known: {sorted(DATASETS)}. "
+            "For another TSLib CSV, use load_csv (main.py --csv PATH)."
+        )
     rel, rule = DATASETS[name]
     root = Path(data_root) if data_root is not None else default_data_root()
     table = read_csv(root / rel)
+    if rule == "custom" and target not in table.columns:
+        target = None  # as before: no reordering when the default target is absent
+    return _prepare(table, rule, seq_len, pred_len, target, freq, name)
+
+
+def load_csv(
+    path: str | os.PathLike,
+    seq_len: int = 96,
+    pred_len: int = 96,
+    target: str = "OT",
+    freq: str | None = None,
+    split: str = "auto",
+) -> ForecastData:
+    """Loads any TSLib-format CSV (``date`` first, then numeric channels) as TSLib would.
+
+    The split is TSLib's ``Dataset_Custom`` (70/10/20 % by time, ``target`` moved last)
+    unless the file's name starts with ETTh or ETTm (``Dataset_ETT_hour``/``_minute``: 12/4/4
+    months) or ``split`` says otherwise. All channels are inputs and outputs (``features='M'``).
+
+    Args:
+      path: the CSV file.
+      seq_len: input length L.
+      pred_len: horizon P.
+      target: the target column (must exist for the 70/10/20 split, as in TSLib).
+      freq: time-feature frequency (a letter of ``FREQS`` or e.g. "15min"); inferred when None.
+      split: see ``split_rule_for``.
+
+    Returns:
+      The splits, scaler and metadata.
+
+    Raises:
+      CSVFormatError: for a value that cannot be read (file, row and column named), a
+        missing target column, or splits too short for the windows.
+    """
+    rule = split_rule_for(path, split)
+    table = read_csv(path)
+    if rule == "custom" and target not in table.columns:
+        raise CSVFormatError(
+            f"{path}: target column {target!r} not found; columns are {table.columns} "
+            "(pass --target NAME)"
+        )
+    return _prepare(table, rule, seq_len, pred_len, target, freq, str(path))
+
+
+def _prepare(
+    table: Table,
+    rule: str,
+    seq_len: int,
+    pred_len: int,
+    target: str | None,
+    freq: str | None,
+    name: str,
+) -> ForecastData:
+    """TSLib's column order, split, scaler and time features for one table."""
     values, columns = table.values, list(table.columns)
-    if rule == "custom" and target in columns:  # TSLib: df_raw[['date'] + cols + [target]]
+    if rule == "custom" and target is not None:  # TSLib: df_raw[['date'] + cols + [target]]
         order = [i for i, c in enumerate(columns) if c != target] + [columns.index(target)]
         values, columns = values[:, order], [columns[i] for i in order]
     b1, b2 = split_borders(rule, len(values), seq_len)
+    if b2[-1] > len(values):
+        raise CSVFormatError(
+            f"{name}: {len(values)} rows, fewer than the {b2[-1]} the {rule!r} split needs "
+            "(use --split custom for a 70/10/20 split)"
+        )
+    if min(b1) < 0:
+        raise CSVFormatError(
+            f"{name}: {len(values)} rows are too few for seq_len={seq_len} "
+            f"(the training split has {b2[0]} rows)"
+        )
     train_rows = values[b1[0] : b2[0]]
     mean = train_rows.mean(axis=0)
     std = train_rows.std(axis=0)
     std = np.where(std > 0, std, 1.0)
     scaled = ((values - mean) / std).astype(np.float32)
-    freq = freq or infer_freq(table.dates)
+    freq = normalize_freq(freq) if freq else infer_freq(table.dates)
     marks = time_features(table.dates, freq)
     splits = [
         WindowDataset(scaled[s:e], marks[s:e], seq_len, pred_len)
@@ -309,7 +515,8 @@ def load_dataset(
     ]
     for split, n in zip(("train", "val", "test"), splits, strict=True):
         if len(n) == 0:
-            raise ValueError(
-                f"{name}: no {split} windows for seq_len={seq_len}, pred_len={pred_len}"
+            raise CSVFormatError(
+                f"{name}: no {split} windows for seq_len={seq_len}, pred_len={pred_len} "
+                f"({b2[0]}/{b2[1] - b2[0]}/{b2[2] - b2[1]} rows in train/val/test)"
             )
     return ForecastData(*splits, mean=mean, std=std, columns=columns, freq=freq, borders=(b1, b2))

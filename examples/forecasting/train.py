@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from examples.common import fit
+from examples.common.runs import RunDir
 from examples.forecasting.configs import Config
-from examples.forecasting.data import ForecastData, load_dataset
+from examples.forecasting.data import ForecastData, load_csv, load_dataset
 from examples.forecasting.model import Forecaster
 
 
@@ -48,25 +46,55 @@ def build_model(config: Config, data: ForecastData) -> Forecaster:
     )
 
 
+def load_data(config: Config) -> ForecastData:
+    """The splits ``config.data`` names: its CSV if set, else a named TSLib dataset."""
+    dc = config.data
+    if dc.csv:
+        return load_csv(dc.csv, dc.seq_len, dc.pred_len, dc.target, dc.freq, dc.split)
+    return load_dataset(dc.dataset, dc.seq_len, dc.pred_len, dc.data_root, dc.target, dc.freq)
+
+
 def train_and_evaluate(
-    config: Config, workdir: str | None, data: ForecastData | None = None
+    config: Config,
+    workdir: str | None,
+    data: ForecastData | None = None,
+    *,
+    overwrite: bool = False,
+    keep_checkpoints: bool = False,
 ) -> dict:
     """Trains with early stopping on validation MSE, then tests the best parameters.
 
     Args:
       config: the run's configuration.
-      workdir: checkpoints and ``result.json`` go here (resumes if a checkpoint exists);
-        None keeps nothing on disk.
+      workdir: the run folder (``examples.common.runs.RunDir``): its ``config.json`` must
+        match ``config``; an unfinished run resumes from its checkpoints, a finished one
+        returns its stored record without training. ``result.json`` and ``loss.png`` are
+        written there. None keeps nothing on disk.
       data: preloaded splits (must match ``config.data``), to share between runs.
+      overwrite: discard the run ``workdir`` holds and start fresh.
+      keep_checkpoints: keep the checkpoints of a finished run (else they are deleted).
 
     Returns:
       A record: dataset, horizon, model, seed, test ``mse``/``mae`` (scaled space), best
       ``val_mse``, steps, epochs, parameter count and ``wall_s``.
+
+    Raises:
+      examples.common.runs.ConfigMismatchError: ``workdir`` holds a run of another
+        configuration and not ``overwrite``.
     """
     t0 = time.perf_counter()
     dc = config.data
+    run = RunDir(workdir, config, overwrite=overwrite) if workdir is not None else None
+    if run is not None and (stored := run.finished_result()) is not None:
+        logging.info(
+            "%s: this configuration already finished there; its stored result is returned "
+            "(pass --overwrite to train again)",
+            run.path,
+        )
+        logging.info("result %s", stored["record"])
+        return stored["record"]
     if data is None:
-        data = load_dataset(dc.dataset, dc.seq_len, dc.pred_len, dc.data_root)
+        data = load_data(config)
     model = build_model(config, data)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     logging.info(
@@ -89,7 +117,7 @@ def train_and_evaluate(
         mode="min",
         loop=config.loop,
         optim=config.optim,
-        workdir=workdir,
+        workdir=None if run is None else str(run.path),
         tokens_per_example=dc.seq_len,
         desc=f"{dc.dataset}-{dc.pred_len}-{config.model.backbone}",
     )
@@ -107,14 +135,15 @@ def train_and_evaluate(
         "params": int(n_params),
         "wall_s": time.perf_counter() - t0,
     }
+    if dc.csv:
+        record["csv"] = dc.csv
     logging.info("result %s", record)
-    if workdir is not None:
-        out = Path(workdir)
-        out.mkdir(parents=True, exist_ok=True)
-        summary = {
-            "record": record,
-            "history": result.history,
-            "config": dataclasses.asdict(config),
-        }
-        (out / "result.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if run is not None:
+        run.write_result(
+            record,
+            result.history,
+            finished=result.done,
+            keep_checkpoints=keep_checkpoints,
+            plot_keys=("train_loss", "val_mse"),
+        )
     return record
