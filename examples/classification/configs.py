@@ -46,7 +46,7 @@ class Config:
             max_epochs=100,
             patience=10,
             log_every=20,
-            checkpoint_every=10,
+            checkpoint_every=1,  # epochs are short; a kill loses at most one
         )
     )
     optim: OptimConfig = dataclasses.field(

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +14,7 @@ from examples.classification.configs import Config
 from examples.classification.data import ClassificationData, load_dataset
 from examples.classification.model import Classifier
 from examples.common import fit
+from examples.common.runs import RunDir
 
 
 def loss_fn(model: Classifier, batch) -> tuple[jax.Array, None]:
@@ -45,22 +43,44 @@ def build_model(config: Config, data: ClassificationData) -> Classifier:
 
 
 def train_and_evaluate(
-    config: Config, workdir: str | None, data: ClassificationData | None = None
+    config: Config,
+    workdir: str | None,
+    data: ClassificationData | None = None,
+    *,
+    overwrite: bool = False,
+    keep_checkpoints: bool = False,
 ) -> dict:
     """Trains with early stopping on the validation hold-out, then tests the best parameters.
 
     Args:
       config: the run's configuration.
-      workdir: checkpoints and ``result.json`` go here (resumes if a checkpoint exists);
-        None keeps nothing on disk.
+      workdir: the run folder (``examples.common.runs.RunDir``): its ``config.json`` must
+        match ``config``; an unfinished run resumes from its checkpoints, a finished one
+        returns its stored record without training. ``result.json`` and ``loss.png`` are
+        written there. None keeps nothing on disk.
       data: preloaded splits (must match ``config.data``), to share between runs.
+      overwrite: discard the run ``workdir`` holds and start fresh.
+      keep_checkpoints: keep the checkpoints of a finished run (else they are deleted).
 
     Returns:
       A record: dataset, model, seed, test ``accuracy`` (in %), validation accuracy, steps,
       epochs, parameter count and ``wall_s``.
+
+    Raises:
+      examples.common.runs.ConfigMismatchError: ``workdir`` holds a run of another
+        configuration and not ``overwrite``.
     """
     t0 = time.perf_counter()
     dc = config.data
+    run = RunDir(workdir, config, overwrite=overwrite) if workdir is not None else None
+    if run is not None and (stored := run.finished_result()) is not None:
+        logging.info(
+            "%s: this configuration already finished there; its stored result is returned "
+            "(pass --overwrite to train again)",
+            run.path,
+        )
+        logging.info("result %s", stored["record"])
+        return stored["record"]
     if data is None:
         data = load_dataset(dc.dataset, dc.data_root, dc.val_fraction, dc.split_seed)
     model = build_model(config, data)
@@ -86,7 +106,7 @@ def train_and_evaluate(
         mode="min" if config.monitor == "nll" else "max",
         loop=config.loop,
         optim=config.optim,
-        workdir=workdir,
+        workdir=None if run is None else str(run.path),
         tokens_per_example=data.max_len,
         desc=f"{dc.dataset}-{config.model.backbone}",
     )
@@ -105,10 +125,12 @@ def train_and_evaluate(
         "wall_s": time.perf_counter() - t0,
     }
     logging.info("result %s", record)
-    if workdir is not None:
-        out = Path(workdir)
-        out.mkdir(parents=True, exist_ok=True)
-        summary = {"record": record, "history": result.history}
-        summary["config"] = dataclasses.asdict(config)
-        (out / "result.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if run is not None:
+        run.write_result(
+            record,
+            result.history,
+            finished=result.done,
+            keep_checkpoints=keep_checkpoints,
+            plot_keys=("train_loss", "val_nll"),
+        )
     return record
