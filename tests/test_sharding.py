@@ -1,5 +1,8 @@
 """Sequence parallelism on 4 simulated CPU devices equals one prefix_attention, with gradients.
 
+Jitted and eager, on explicit and Auto meshes, in and out of a ``jax.set_mesh`` context;
+mesh axes that do not exist are rejected by name.
+
 The device count must be set before JAX starts, so the check runs in a fresh interpreter.
 """
 
@@ -41,12 +44,46 @@ SCRIPT = textwrap.dedent(
             s, v, mask, mesh=mesh, axis_name="seq", batch_axis_name=batch_axis, method=method)
         got = jax.jit(fn)(scores, values)
         np.testing.assert_allclose(got[0], expected[0], atol=2e-6, rtol=1e-5)
-        for a, b in zip(got[1], expected[1]):
+        for a, b in zip(got[1][:3], expected[1][:3]):  # m, u, w
             np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
         grads = jax.jit(jax.grad(loss(fn), (0, 1)))(scores, values)
         for a, b in zip(grads, expected_grad):
             np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
     print("sharded equals single-device")
+
+    # Eagerly (no jit), with the docstring's mesh (explicit axes): values and gradients.
+    fn = lambda s, v: sequence_parallel_prefix_attention(s, v, mask, mesh=seq_mesh, axis_name="seq")
+    got = fn(scores, values)
+    np.testing.assert_allclose(got[0], expected[0], atol=2e-6, rtol=1e-5)
+    grads = jax.grad(loss(fn), (0, 1))(scores, values)
+    for a, b in zip(grads, expected_grad):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+    # And inside a jax.set_mesh context, on inputs sharded explicitly along time.
+    P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+    with jax.set_mesh(seq_mesh):
+        s_sh = jax.device_put(scores, NS(seq_mesh, P(None, None, "seq")))
+        v_sh = jax.device_put(values, NS(seq_mesh, P(None, None, "seq", None)))
+        grads = jax.grad(loss(fn), (0, 1))(s_sh, v_sh)
+    for a, b in zip(grads, expected_grad):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+    print("eager gradients equal single-device")
+
+    # A mesh axis that is not there is named, with the mesh's axes.
+    bad = (
+        (dict(axis_name="time"), "axis_name='time'", seq_mesh, "('seq',)"),
+        (dict(axis_name="seq", batch_axis_name="data"), "batch_axis_name='data'", both_mesh,
+         "('batch', 'seq')"),
+        (dict(axis_name="seq", batch_axis_name="seq"), "batch_axis_name and axis_name", both_mesh,
+         "'seq'"),
+    )
+    for kwargs, named, mesh, axes in bad:
+        try:
+            sequence_parallel_prefix_attention(scores, values, mask, mesh=mesh, **kwargs)
+        except ValueError as error:
+            assert named in str(error) and axes in str(error), str(error)
+        else:
+            raise AssertionError(f"no error for {kwargs}")
+    print("bad axis names rejected")
     """
 )
 
@@ -58,3 +95,5 @@ def test_sequence_parallel_equals_single_device():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "sharded equals single-device" in result.stdout
+    assert "eager gradients equal single-device" in result.stdout
+    assert "bad axis names rejected" in result.stdout

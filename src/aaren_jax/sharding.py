@@ -31,6 +31,30 @@ def _total(scores: Array, values: Array, mask: Array) -> AttentionState:
     return AttentionState(m, weights.sum(-1), jnp.einsum("...t,...td->...d", weights, values))
 
 
+def _check_axis(mesh: Mesh, name, argument: str) -> None:
+    """Raises ValueError unless ``name`` is one of the mesh's axis names."""
+    if name not in mesh.axis_names:
+        raise ValueError(
+            f"{argument}={name!r} is not an axis of the mesh; its axes are {mesh.axis_names}"
+        )
+
+
+def _mesh_for_context(mesh: Mesh) -> Mesh:
+    """``mesh`` with Auto axes unless the caller works under an explicit-axes mesh context.
+
+    ``jax.make_mesh`` makes explicit axes by default. Outside a ``jax.set_mesh`` context,
+    values typed with explicit shardings escape to the caller, and eager ``jax.grad`` of
+    them fails (its cotangent seed is built with no mesh to place it on). With Auto axes
+    the same devices and layout give ordinary arrays; under an explicit context the mesh
+    is kept and the inputs are resharded explicitly.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    explicit_context = any(t == AxisType.Explicit for t in context.axis_types)
+    if explicit_context or all(t != AxisType.Explicit for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def sequence_parallel_prefix_attention(
     scores: Array,
     values: Array,
@@ -43,6 +67,9 @@ def sequence_parallel_prefix_attention(
     chunk_size: int | None = None,
 ) -> tuple[Array, AttentionState]:
     """``prefix_attention`` with time split over the mesh axis ``axis_name``.
+
+    Works eagerly and under ``jax.jit``, with gradients, on meshes with explicit axes (the
+    ``jax.make_mesh`` default) or Auto axes, inside a ``jax.set_mesh`` context or not.
 
     Args:
       scores: per-token scores. [..., T]
@@ -59,11 +86,15 @@ def sequence_parallel_prefix_attention(
       state covers the whole sequence and is replicated over ``axis_name``.
 
     Raises:
-      ValueError: T not divisible by the axis size, or a batch axis on unbatched inputs.
+      ValueError: ``axis_name`` or ``batch_axis_name`` not an axis of ``mesh`` (or both the
+        same), T not divisible by the axis size, or a batch axis on unbatched inputs.
 
     Example:
       >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
       >>> out, state = sequence_parallel_prefix_attention(s, v, mesh=mesh, axis_name="seq")
+      >>> def loss(s):
+      ...     return sequence_parallel_prefix_attention(s, v, mesh=mesh, axis_name="seq")[0].sum()
+      >>> grads = jax.grad(loss)(s)  # eagerly or under jax.jit
     """
     scores, values = jnp.asarray(scores), jnp.asarray(values)
     if values.shape[:-1] != scores.shape:
@@ -72,6 +103,13 @@ def sequence_parallel_prefix_attention(
             "value axis D: [..., T, D]"
         )
     mask = jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
+    _check_axis(mesh, axis_name, "axis_name")
+    if batch_axis_name is not None:
+        _check_axis(mesh, batch_axis_name, "batch_axis_name")
+        if batch_axis_name == axis_name:
+            raise ValueError(
+                f"batch_axis_name and axis_name must be different mesh axes, both are {axis_name!r}"
+            )
     num_shards = mesh.shape[axis_name]
     if scores.shape[-1] % num_shards:
         raise ValueError(
@@ -105,6 +143,7 @@ def sequence_parallel_prefix_attention(
         )
         return outputs, everything
 
+    mesh = _mesh_for_context(mesh)
     accumulate = jnp.promote_types(jnp.result_type(scores, values), jnp.float32)
     shard_mapped = jax.shard_map(
         local,
