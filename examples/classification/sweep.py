@@ -4,8 +4,9 @@
     python examples/classification/sweep.py --datasets JapaneseVowels --seeds 0 --dry-run
 
 Records ``{"dataset", "model", "seed", "accuracy", "wall_s", ...}`` (accuracy in %) are
-appended to ``results/classification.json``; runs already there are skipped, and an
-interrupted run resumes from its checkpoint in ``--workdir-root``.
+appended to ``--results`` (default ``workdirs/classification/results.json``, outside git; the
+committed table is ``--results results/classification.json``); runs already there are
+skipped, and an interrupted run resumes from its checkpoint in ``--workdir-root``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from examples.classification import configs, data, train  # noqa: E402
 from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
-from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
+from examples.common.paths import ensure_importable, runs_root  # noqa: E402
+from examples.common.results import results_path  # noqa: E402
 
 KEY = ("dataset", "model", "seed")
 
@@ -32,10 +34,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--datasets", nargs="+", default=list(data.DATASETS))
     p.add_argument("--models", nargs="+", default=["aaren", "transformer"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    p.add_argument("--results", default=str(REPO_ROOT / "results" / "classification.json"))
+    p.add_argument(
+        "--results",
+        default=None,
+        help="records file; default workdirs/classification/results.json (the committed tables "
+        "change only with --results results/classification.json)",
+    )
     p.add_argument(
         "--workdir-root",
-        default=str(REPO_ROOT / "workdirs" / "classification"),
+        default=str(runs_root() / "classification"),
         help="per-run checkpoints (deleted once the run's record is written)",
     )
     p.add_argument("--data-root", default=None, help="default: ../shared/data beside the repo")
@@ -60,6 +67,8 @@ def main(argv=None) -> None:
     setup_logging()
     ensure_importable()
     args = parse_args(argv)
+    args.results = str(results_path(args.results, "classification"))
+    logging.info("records go to %s", args.results)
     done = {record_key(r, KEY) for r in load_records(args.results)}
     runs = pending_runs(args, done)
     logging.info("%d runs done, %d pending", len(done), len(runs))

@@ -8,6 +8,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from examples.common.paths import runs_root
+
 
 def load_records(path: str | os.PathLike) -> list[dict]:
     """Reads the records of a results file; an absent file has none."""
@@ -43,3 +45,13 @@ def append_record(path: str | os.PathLike, record: Mapping) -> None:
             json.dump(records, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
+
+
+def results_path(arg: str | os.PathLike | None, task: str) -> Path:
+    """Where a sweep writes its records: ``--results`` if given, else a file outside git.
+
+    The default is ``<runs root>/<task>/results.json`` (``$AAREN_RUNS_ROOT`` or
+    ``<repo>/workdirs``), so that a sweep never mixes a user's runs into the committed
+    ``results/`` tables; those change only when ``--results results/<task>.json`` is passed.
+    """
+    return Path(arg) if arg else runs_root() / task / "results.json"

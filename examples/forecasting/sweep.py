@@ -4,8 +4,10 @@
     python examples/forecasting/sweep.py --datasets ETTh1 --horizons 96 --seeds 0 --dry-run
 
 Records ``{"dataset", "horizon", "model", "seed", "mse", "mae", "wall_s", ...}`` are appended
-to ``results/forecasting.json``; runs already there are skipped, and an interrupted run resumes
-from its checkpoint in ``--workdir-root``. Every run uses the same default configuration.
+to ``--results`` (default ``workdirs/forecasting/results.json``, outside git; the committed
+table is ``--results results/forecasting.json``); runs already there are skipped, and an
+interrupted run resumes from its checkpoint in ``--workdir-root``. Every run uses the same
+default configuration.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
-from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
+from examples.common.paths import ensure_importable, runs_root  # noqa: E402
+from examples.common.results import results_path  # noqa: E402
 from examples.forecasting import configs, data, train  # noqa: E402
 
 KEY = ("dataset", "horizon", "model", "seed")
@@ -35,10 +38,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--models", nargs="+", default=["aaren", "transformer"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--results", default=str(REPO_ROOT / "results" / "forecasting.json"))
+    p.add_argument(
+        "--results",
+        default=None,
+        help="records file; default workdirs/forecasting/results.json (the committed tables "
+        "change only with --results results/forecasting.json)",
+    )
     p.add_argument(
         "--workdir-root",
-        default=str(REPO_ROOT / "workdirs" / "forecasting"),
+        default=str(runs_root() / "forecasting"),
         help="per-run checkpoints (deleted once the run's record is written)",
     )
     p.add_argument("--data-root", default=None, help="default: ../shared/data beside the repo")
@@ -64,6 +72,8 @@ def main(argv=None) -> None:
     setup_logging()
     ensure_importable()
     args = parse_args(argv)
+    args.results = str(results_path(args.results, "forecasting"))
+    logging.info("records go to %s", args.results)
     done = {record_key(r, KEY) for r in load_records(args.results)}
     runs = pending_runs(args, done)
     logging.info("%d runs done, %d pending", len(done), len(runs))

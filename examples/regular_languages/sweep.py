@@ -6,7 +6,9 @@
     python examples/regular_languages/sweep.py --dry-run
 
 Records ``{"language", "model", "seed", "bin0", "bin1", "epochs", "wall_s", ...}`` are
-appended to ``results/regular_languages.json``; runs already there are skipped, so an
+appended to ``--results`` (default ``workdirs/regular_languages/results.json``, outside git;
+the committed table is ``--results results/regular_languages.json``, which ``--table`` reads
+when ``--results`` is not given); runs already there are skipped, so an
 interrupted sweep resumes at the next unfinished run. Order: every (language, model) for the
 first seed, then the next seed, so one seed of everything lands first. Every run uses the
 same configuration (``train.Config``; the paper's protocol) unless overridden here, and an
@@ -27,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
 from examples.common.paths import REPO_ROOT  # noqa: E402
+from examples.common.results import results_path  # noqa: E402
 from examples.regular_languages import data, train  # noqa: E402
 
 KEY = ("language", "model", "seed", "positional")
+COMMITTED = REPO_ROOT / "results" / "regular_languages.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,7 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--languages", nargs="+", default=list(data.LANGUAGES))
     p.add_argument("--models", nargs="+", default=list(train.MODELS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--results", default=str(REPO_ROOT / "results" / "regular_languages.json"))
+    p.add_argument(
+        "--results",
+        default=None,
+        help="records file; default workdirs/regular_languages/results.json (the committed "
+        "table changes only with --results results/regular_languages.json)",
+    )
     p.add_argument("--epochs", type=int, default=None, help="deviation from the paper's 25")
     p.add_argument("--train-size", type=int, default=None, help="deviation from the paper's")
     p.add_argument(
@@ -162,14 +171,16 @@ def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
 def main(argv=None) -> None:
     setup_logging()
     args = parse_args(argv)
-    if args.table:
-        records = load_records(args.results)
+    if args.table:  # read-only: the committed table unless another file is named
+        records = load_records(args.results or COMMITTED)
         print(table(records))
         ablation = ablation_table(records)
         if ablation:
             print("\nAblations (not the default positional encoding, or not the paper's size):\n")
             print(ablation)
         return
+    args.results = str(results_path(args.results, "regular_languages"))
+    logging.info("records go to %s", args.results)
     done = {record_key(r, KEY) for r in load_records(args.results)}
     runs = pending_runs(args, done)
     logging.info("%d runs done, %d pending", len(done), len(runs))
