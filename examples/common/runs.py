@@ -225,6 +225,7 @@ def plot_history(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
     epochs = [h.get("epoch", i + 1) for i, h in enumerate(history)]
@@ -232,6 +233,7 @@ def plot_history(
         values = [h.get(key) for h in history]
         if any(v is not None for v in values):
             ax.plot(epochs, values, marker="o", markersize=3, label=key)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=9)
