@@ -10,22 +10,28 @@ from examples.common.checkpoint import CheckpointIO
 from examples.common.loop import LoopConfig, TrainResult, TrainStep, fit, make_train_step
 from examples.common.optim import OptimConfig, make_optimizer, weight_decay_mask
 from examples.common.progress import setup_logging
-from examples.common.results import append_record, load_records, record_key
+from examples.common.results import append_record, load_records, record_key, results_path
+from examples.common.runs import ConfigMismatchError, RunDir, default_run_dir, plot_history
 
 __all__ = [
     "BACKBONES",
     "CheckpointIO",
+    "ConfigMismatchError",
     "LoopConfig",
     "OptimConfig",
+    "RunDir",
     "TrainResult",
     "TrainStep",
     "append_record",
+    "default_run_dir",
     "fit",
     "load_records",
     "make_backbone",
     "make_optimizer",
     "make_train_step",
+    "plot_history",
     "record_key",
+    "results_path",
     "setup_logging",
     "weight_decay_mask",
 ]

@@ -3,19 +3,25 @@
     python examples/regular_languages/main.py --language parity --model rsa_transformer
     python examples/regular_languages/main.py --language d2 --model rsa_aaren --epochs 5
 
-Prints the run's record as JSON (exact-match accuracy on bin 0 and bin 1).
+Prints the run's record as JSON (exact-match accuracy on bin 0 and bin 1) and keeps it in a
+run folder (``--workdir``, or one per configuration under ``workdirs/regular_languages/runs``):
+``config.json``, ``result.json`` and ``loss.png``. Runs are short and not checkpointed; the same
+configuration again returns the stored result, another one in the same folder is refused
+unless ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from examples.common import setup_logging  # noqa: E402
+from examples.common.runs import ConfigMismatchError, RunDir, default_run_dir  # noqa: E402
 from examples.regular_languages import data, train  # noqa: E402
 
 
@@ -34,7 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rsa-dilations", type=int, nargs="*", default=None)
     p.add_argument("--mu-init", type=float, default=None)
     p.add_argument("--positional", default=None, choices=train.POSITIONAL)
-    p.add_argument("--workdir", default=None, help="accepted for the examples' CLI shape")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="run folder (config, result.json, loss.png); default: one per configuration "
+        "under workdirs/regular_languages/runs",
+    )
+    p.add_argument("--overwrite", action="store_true", help="discard the run in --workdir")
     return p.parse_args(argv)
 
 
@@ -57,11 +69,29 @@ def config_from_args(args: argparse.Namespace) -> train.Config:
     )
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     setup_logging()
     args = parse_args(argv)
-    record = train.train_and_evaluate(config_from_args(args), args.workdir)
-    print(json.dumps(record, indent=1))
+    cfg = config_from_args(args)
+    name = f"{cfg.language}_{cfg.model}_{cfg.seed}"
+    workdir = args.workdir or default_run_dir("regular_languages", name, cfg)
+    logging.info("run folder %s", workdir)
+    try:
+        run = RunDir(workdir, cfg, overwrite=args.overwrite)
+    except ConfigMismatchError as e:
+        raise SystemExit(f"error: {e}") from None
+    stored = run.finished_result()
+    if stored is not None:
+        logging.info(
+            "%s: this configuration already finished there (--overwrite to rerun)", workdir
+        )
+        record = stored["record"]
+    else:
+        history: list[dict] = []
+        record = train.train_and_evaluate(cfg, history_out=history)
+        run.write_result(record, history, finished=True)
+    print(json.dumps(record, indent=1))  # the record is the command's output
+    return record
 
 
 if __name__ == "__main__":

@@ -208,14 +208,20 @@ def make_optimizer(cfg: Config, steps_per_epoch: int) -> optax.GradientTransform
     return optax.adam(make_schedule(cfg, steps_per_epoch))
 
 
-def train_and_evaluate(cfg: Config, workdir: str | None = None, datasets=None) -> dict[str, Any]:
+def train_and_evaluate(
+    cfg: Config,
+    workdir: str | None = None,
+    datasets=None,
+    history_out: list | None = None,
+) -> dict[str, Any]:
     """Trains one model on one language and returns its record.
 
     Args:
       cfg: the run's configuration.
-      workdir: unused (runs are short; the sweep resumes at run granularity); accepted for
-        the examples' common CLI shape.
+      workdir: unused (runs are short; the sweep resumes at run granularity, ``main.py``
+        keeps a run folder); accepted for the examples' common CLI shape.
       datasets: ``data.make_datasets`` output to reuse (else drawn from ``cfg``).
+      history_out: if given, receives one ``{"epoch", "train_loss"}`` dict per epoch.
 
     Returns:
       ``{"language", "model", "seed", "bin0", "bin1", "train_loss", "epochs", "train_size",
@@ -259,6 +265,8 @@ def train_and_evaluate(cfg: Config, workdir: str | None = None, datasets=None) -
             losses.append(loss)
         epoch_loss = float(jnp.mean(jnp.stack(losses)))
         history.append(epoch_loss)
+        if history_out is not None:
+            history_out.append({"epoch": epoch + 1, "train_loss": epoch_loss})
         if (epoch + 1) % cfg.log_every_epochs == 0 or epoch + 1 == cfg.epochs:
             elapsed = time.perf_counter() - t_train
             logging.info(
