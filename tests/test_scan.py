@@ -13,7 +13,7 @@ from jax.test_util import check_grads
 
 import aaren_jax as aj
 
-METHODS = ("associative", "sequential", "chunked", "auto")
+METHODS = ("associative", "sequential", "chunked", "blocked", "auto")
 
 
 def brute_force(scores, values, mask, initial=None):
@@ -387,8 +387,9 @@ def test_check_grads_second_order(method):
     def f(s, v):
         return aj.prefix_attention(s, v, mask, method=method, chunk_size=3)[0]
 
-    # "auto" has a custom reverse-mode gradient (jax.custom_vjp): no forward mode.
-    modes = ("rev",) if method == "auto" else ("fwd", "rev")
+    # "blocked" has a custom reverse-mode gradient (jax.custom_vjp): no forward mode; "auto"
+    # resolves to "associative" at this length, so forward mode works with the default.
+    modes = ("rev",) if method == "blocked" else ("fwd", "rev")
     with jax.enable_x64(True):
         args = (jnp.float64(rng.normal(size=(2, 7))), jnp.float64(rng.normal(size=(2, 7, 3))))
         check_grads(jax.jit(f), args, order=2, modes=modes)
@@ -410,7 +411,7 @@ def test_errors_name_the_argument_and_shapes():
         aj.prefix_attention(jnp.zeros((2, 5), jnp.int32), v)
     with pytest.raises(TypeError, match="values must have a floating dtype"):
         aj.prefix_attention(s, jnp.zeros((2, 5, 3), jnp.int32))
-    with pytest.raises(ValueError, match="'associative', 'sequential', 'chunked'"):
+    with pytest.raises(ValueError, match="'blocked', 'associative', 'sequential', 'chunked'"):
         aj.prefix_attention(s, v, method="fast")
     with pytest.raises(ValueError, match="chunk_size"):
         aj.prefix_attention(s, v, method="chunked", chunk_size=0)
@@ -429,3 +430,117 @@ def test_empty_sequence_returns_the_initial_state():
     out, final = aj.prefix_attention(jnp.zeros((2, 0)), jnp.zeros((2, 0, 3)), initial_state=state)
     chex.assert_shape(out, (2, 0, 3))
     chex.assert_trees_all_equal(final, state)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad data: NaN is never hidden, masked garbage never leaks, long streams do not drift
+
+
+def _run(method, scores, values, mask):
+    if method == "step":
+        return step_loop(scores, values, mask)
+    return jitted(method, 3)(scores, values, mask)
+
+
+@pytest.mark.parametrize("method", [*METHODS, "step"])
+@pytest.mark.parametrize("bad", ["nan_score", "inf_score", "nan_value"])
+def test_non_finite_attended_token_poisons_every_later_output(method, bad):
+    rng = np.random.default_rng(20)
+    scores = rng.normal(size=(2, 9)).astype(np.float32)
+    values = rng.normal(size=(2, 9, 3)).astype(np.float32)
+    if bad == "nan_score":
+        scores[:, 4] = np.nan
+    elif bad == "inf_score":
+        scores[:, 4] = np.inf
+    else:
+        values[:, 4, 1] = np.nan
+    mask = np.ones(scores.shape, bool)
+    out, final = _run(method, jnp.asarray(scores), jnp.asarray(values), jnp.asarray(mask))
+    out = np.asarray(out)
+    # float64 softmax says: exact before the bad token, NaN from it on (inf - inf = nan)
+    np.testing.assert_allclose(
+        out[:, :4], brute_force(scores[:, :4], values[:, :4], mask[:, :4]), atol=2e-6, rtol=2e-5
+    )
+    if bad == "nan_value":  # only the poisoned channel turns NaN
+        assert np.all(np.isnan(out[:, 4:, 1])) and np.all(np.isfinite(out[:, 4:, [0, 2]]))
+    else:
+        assert np.all(np.isnan(out[:, 4:]))
+    assert np.all(np.isnan(aj.readout(final))[:, 1])
+
+
+def test_nan_query_propagates_like_softmax():
+    scores = jnp.full((5,), jnp.nan)
+    out, _ = aj.prefix_attention(scores, jnp.ones((5, 2)))
+    assert np.all(np.isnan(np.asarray(out)))
+    np.testing.assert_array_equal(np.isnan(jax.nn.softmax(scores)), np.ones(5, bool))
+
+
+@pytest.mark.parametrize("method", [*METHODS, "step"])
+def test_garbage_at_masked_tokens_changes_no_output_and_no_gradient(method):
+    rng = np.random.default_rng(21)
+    mask = np.array([[True, False, True, True, False, True, True], [False] * 3 + [True] * 4])
+    scores = rng.normal(size=mask.shape).astype(np.float32)
+    values = rng.normal(size=(*mask.shape, 3)).astype(np.float32)
+    clean_s, clean_v = np.where(mask, scores, 0), np.where(mask[..., None], values, 0)
+    dirty_s = np.where(mask, scores, np.array([np.nan, np.inf, -np.inf])[np.arange(7) % 3])
+    dirty_v = np.where(mask[..., None], values, np.nan)
+    args = [
+        tuple(jnp.asarray(x) for x in pair) for pair in ((clean_s, clean_v), (dirty_s, dirty_v))
+    ]
+    outs = [_run(method, s, v, jnp.asarray(mask))[0] for s, v in args]
+    chex.assert_trees_all_equal(outs[0], outs[1])
+    chex.assert_tree_all_finite(outs[1])
+    if method != "step":
+        grads = [_grad(method)(s, v, jnp.asarray(mask)) for s, v in args]
+        chex.assert_trees_all_equal(grads[0], grads[1])
+
+
+def _stream_error(state, scores, values):
+    """Max relative error of the streamed output against float64, after every block."""
+    run = jax.jit(lambda c, s, v: jax.lax.scan(lambda c, x: aj.attention_step(c, *x), c, (s, v)))
+    s64, v64 = np.float64(scores), np.float64(values)
+    errors = []
+    for start in range(0, scores.shape[0], 5000):
+        block = slice(start, start + 5000)
+        state, _ = run(state, jnp.asarray(scores[block]), jnp.asarray(values[block]))
+        e = np.exp(s64[: block.stop] - s64[: block.stop].max(0))
+        expected = (e[..., None] * v64[: block.stop]).sum(0) / e.sum(0)[..., None]
+        got = np.asarray(aj.readout(state), np.float64)
+        errors.append(np.max(np.abs(got - expected)) / np.max(np.abs(expected)))
+    return np.array(errors)
+
+
+def test_compensated_state_streams_without_drift():
+    rng = np.random.default_rng(22)
+    scores = (rng.normal(size=(40_000, 4)) * 2).astype(np.float32)
+    values = (rng.normal(size=(40_000, 4, 3)) + 1).astype(np.float32)
+    plain = _stream_error(aj.init_state((4,), 3), scores, values)
+    kept = _stream_error(aj.init_state((4,), 3, compensated=True), scores, values)
+    assert np.all(kept < 5e-7), kept
+    assert plain[-1] > 4 * kept[-1], (plain, kept)  # the plain float32 sum does drift
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compensated_initial_state_is_continued_by_every_method(method):
+    rng = np.random.default_rng(23)
+    s1, s2 = (jnp.asarray(rng.normal(size=(2, n)), jnp.float32) for n in (5, 70))
+    v1, v2 = (jnp.asarray(rng.normal(size=(2, n, 3)), jnp.float32) for n in (5, 70))
+    _, state = aj.prefix_attention(s1, v1, initial_state=aj.init_state((2,), 3, compensated=True))
+    assert state.compensated
+    out, final = aj.prefix_attention(s2, v2, initial_state=state, method=method)
+    assert final.compensated
+    expected = brute_force(
+        s2, v2, np.ones(s2.shape, bool), initial=(np.asarray(s1), np.asarray(v1))
+    )
+    np.testing.assert_allclose(out, expected, atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(aj.readout(final), expected[:, -1], atol=2e-6, rtol=2e-5)
+
+
+def test_auto_resolves_to_named_methods():
+    assert aj.resolve_method("auto", 1, "cpu") == "single"
+    assert aj.resolve_method("auto", 8, "cpu") == "associative"
+    assert aj.resolve_method("auto", 4096, "cpu") == "blocked"
+    assert aj.resolve_method("auto", 4096, "gpu") == "associative"
+    assert aj.resolve_method("chunked", 4096) == "chunked"
+    with pytest.raises(ValueError, match='"single" takes one token'):
+        aj.prefix_attention(jnp.zeros(3), jnp.zeros((3, 2)), method="single")

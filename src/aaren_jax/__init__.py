@@ -30,6 +30,8 @@ from aaren_jax.scan import (
     combine,
     init_state,
     prefix_attention,
+    readout,
+    resolve_method,
 )
 from aaren_jax.sharding import sequence_parallel_prefix_attention
 
@@ -55,6 +57,8 @@ __all__ = [
     "combine",
     "init_state",
     "prefix_attention",
+    "readout",
+    "resolve_method",
     "sequence_parallel_prefix_attention",
     "REMConfig",
     "REMState",

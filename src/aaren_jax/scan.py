@@ -14,6 +14,16 @@ one parallel prefix scan. This module knows no Flax: pure functions over arrays.
 Numerics (binding, SPEC 1.2):
   * the state is float32 (float64 for float64 inputs) whatever the input dtype; outputs are
     cast back to the dtype of ``values``;
+  * a NaN score or value at an attended token makes every output from that token on NaN (as
+    ``jax.nn.softmax`` does); a ``+inf`` score gives NaN from that token on (``inf - inf``),
+    a ``-inf`` score gives its token weight 0;
+  * a masked token is ignored whatever it holds (NaN, inf): masked scores and values are
+    replaced before any arithmetic, so outputs and gradients are bitwise those of the same
+    input with zeros there;
+  * a state made with ``init_state(..., compensated=True)`` carries the rounding errors of
+    ``u`` and ``w`` (Kahan summation), so that a stream of 10^6 tokens stays within float32
+    round-off of a float64 computation; the parallel methods need no compensation (their
+    sums are blocked or tree-shaped);
   * a masked token is the identity ``(-inf, 0, 0)``; ``exp(-inf - (-inf))`` is never
     evaluated: the exponent's reference is 0 where the running max is still ``-inf``;
   * an output with no unmasked token at or before it is exactly 0, with zero gradient;
@@ -34,8 +44,11 @@ import numpy as np
 
 Array = jax.Array
 
-METHODS = ("auto", "associative", "sequential", "chunked")
+METHODS = ("auto", "blocked", "associative", "sequential", "chunked", "single")
 DEFAULT_CHUNK_SIZE = 64
+# Below this length the blocked kernel has at most one block and gains nothing over the
+# associative scan, which also has forward-mode AD.
+BLOCKED_MIN_TOKENS = 64
 
 
 class AttentionState(NamedTuple):
@@ -45,37 +58,76 @@ class AttentionState(NamedTuple):
       m: running max of the scores seen; ``-inf`` before any token. [...]
       u: sum of ``exp(s_i - m)`` over the tokens seen. [...]
       w: sum of ``exp(s_i - m) * v_i`` over the tokens seen. [..., D]
+      u_err: rounding error of ``u`` (Kahan compensation), or None for a plain state;
+        the sum is ``u + u_err``. [...]
+      w_err: rounding error of ``w``, or None. [..., D]
     """
 
     m: Array
     u: Array
     w: Array
+    u_err: Array | None = None
+    w_err: Array | None = None
+
+    @property
+    def compensated(self) -> bool:
+        """Whether the state carries Kahan compensation terms."""
+        return self.u_err is not None
 
 
-def init_state(batch_shape, dim: int, dtype=jnp.float32) -> AttentionState:
+def init_state(
+    batch_shape, dim: int, dtype=jnp.float32, *, compensated: bool = False
+) -> AttentionState:
     """The identity state ``(-inf, 0, 0)``: attention over no token.
 
     Args:
       batch_shape: leading axes of the state, e.g. ``(B, H)``. [...]
       dim: value size ``D``.
       dtype: state dtype; float32 unless the inputs are float64.
+      compensated: carry Kahan compensation terms ``u_err``, ``w_err`` (zeros), for long
+        token-by-token streams: every state that continues it stays compensated.
 
     Returns:
-      An ``AttentionState`` with ``m`` [...], ``u`` [...], ``w`` [..., D].
+      An ``AttentionState`` with ``m`` [...], ``u`` [...], ``w`` [..., D] (and ``u_err``
+      [...], ``w_err`` [..., D] when compensated).
+
+    Raises:
+      TypeError: a non-floating dtype.
+      ValueError: a negative axis or ``dim``.
 
     Example:
       >>> s = init_state((2, 4), 8)
       >>> s.w.shape
       (2, 4, 8)
     """
-    batch_shape = (int(batch_shape),) if np.ndim(batch_shape) == 0 else tuple(map(int, batch_shape))
+    batch_shape = as_shape("init_state: batch_shape", batch_shape)
+    dim = as_shape("init_state: dim", dim)[0]
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"init_state: dtype must be floating, got {jnp.dtype(dtype)}")
-    return AttentionState(
+    state = AttentionState(
         m=jnp.full(batch_shape, -jnp.inf, dtype),
         u=jnp.zeros(batch_shape, dtype),
-        w=jnp.zeros((*batch_shape, int(dim)), dtype),
+        w=jnp.zeros((*batch_shape, dim), dtype),
     )
+    if compensated:
+        state = state._replace(u_err=jnp.zeros_like(state.u), w_err=jnp.zeros_like(state.w))
+    return state
+
+
+def as_shape(name: str, value) -> tuple[int, ...]:
+    """A shape (an int or ints, each >= 0) as a tuple; a clear error otherwise.
+
+    Raises:
+      TypeError: a non-integer entry (2.5, a bool, an array under a trace).
+      ValueError: a negative entry.
+    """
+    entries = (value,) if np.ndim(value) == 0 else tuple(value)
+    for entry in entries:
+        if isinstance(entry, bool) or not isinstance(entry, int | np.integer):
+            raise TypeError(f"{name} must be an int or ints, got {value!r}")
+        if entry < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return tuple(int(e) for e in entries)
 
 
 def _reference(m: Array) -> Array:
@@ -109,42 +161,69 @@ def combine(a: AttentionState, b: AttentionState) -> AttentionState:
     ref = _reference(m)
     scale_a = jnp.exp(a.m - ref)
     scale_b = jnp.exp(b.m - ref)
-    u = a.u * scale_a + b.u * scale_b
-    w = a.w * scale_a[..., None] + b.w * scale_b[..., None]
-    return AttentionState(m, u, w)
+    u_a, u_b = a.u * scale_a, b.u * scale_b
+    w_a, w_b = a.w * scale_a[..., None], b.w * scale_b[..., None]
+    if not (a.compensated or b.compensated):
+        return AttentionState(m, u_a + u_b, w_a + w_b)
+    # Kahan: keep what the addition rounds away, so that a long stream of small terms added
+    # to a large sum does not drift (one rounding per token otherwise; MEASUREMENTS).
+    u, u_lost = _two_sum(u_a, u_b)
+    w, w_lost = _two_sum(w_a, w_b)
+    u_err = u_lost + _scaled(a.u_err, scale_a) + _scaled(b.u_err, scale_b)
+    w_err = w_lost + _scaled(a.w_err, scale_a[..., None]) + _scaled(b.w_err, scale_b[..., None])
+    return AttentionState(m, u, w, u_err, w_err)
 
 
-def _readout(u: Array, w: Array) -> Array:
-    """``w / u``, and exactly 0 (with zero gradient) where no token was seen (``u == 0``)."""
-    seen = u > 0
+def _two_sum(x: Array, y: Array) -> tuple[Array, Array]:
+    """``(x + y, e)`` with ``x + y + e`` exact (Knuth's TwoSum; XLA does not reassociate)."""
+    total = x + y
+    y_part = total - x
+    return total, (x - (total - y_part)) + (y - y_part)
+
+
+def _scaled(err: Array | None, scale: Array):
+    return 0.0 if err is None else err * scale
+
+
+def readout(state: AttentionState) -> Array:
+    """The attention output of a state, ``w / u``. [..., D]
+
+    Exactly 0 (with zero gradient) where no token was attended (``u == 0``); NaN where the
+    state holds a NaN (a NaN is never read as "nothing seen").
+    """
+    u, w = state.u, state.w
+    if state.compensated:
+        u, w = u + state.u_err, w + state.w_err
+    seen = u != 0
     safe_u = jnp.where(seen, u, jnp.ones_like(u))
     return jnp.where(seen[..., None], w / safe_u[..., None], jnp.zeros_like(w))
 
 
-def _accumulation_dtype(*dtypes) -> jnp.dtype:
-    return (
-        jnp.dtype(jnp.float64)
-        if jnp.dtype(jnp.float64) in map(jnp.dtype, dtypes)
-        else (jnp.dtype(jnp.float32))
-    )
+def accumulation_dtype(*dtypes) -> jnp.dtype:
+    """float64 if any of ``dtypes`` is float64, else float32: the dtype sums are kept in."""
+    f64 = jnp.dtype(jnp.float64)
+    return f64 if any(jnp.dtype(d) == f64 for d in dtypes) else jnp.dtype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------
-# Validation
+# Validation (once, at the public entry points)
 
 
-def _check_floating(name: str, x) -> None:
+def check_floating(name: str, x) -> None:
+    """Raises TypeError unless ``x`` has a floating dtype."""
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {jnp.result_type(x)}")
 
 
-def _check_mask(mask, target_shape: tuple, target_name: str):
+def check_mask(mask, target_shape: tuple, target_name: str, name: str = "mask"):
+    """A boolean mask broadcast to ``target_shape``, or None; clear errors otherwise."""
     if mask is None:
         return None
     mask = jnp.asarray(mask)
     if mask.dtype != jnp.bool_:
         raise TypeError(
-            f"mask must be boolean (True = attend), got dtype {mask.dtype}; use mask.astype(bool)"
+            f"{name} must be boolean (True = attend), got dtype {mask.dtype}; use "
+            f"{name}.astype(bool)"
         )
     try:
         broadcast = np.broadcast_shapes(mask.shape, target_shape)
@@ -152,22 +231,30 @@ def _check_mask(mask, target_shape: tuple, target_name: str):
         broadcast = None
     if broadcast != tuple(target_shape):
         raise ValueError(
-            f"mask of shape {mask.shape} does not broadcast to {target_name} of shape "
+            f"{name} of shape {mask.shape} does not broadcast to {target_name} of shape "
             f"{tuple(target_shape)}"
         )
     return jnp.broadcast_to(mask, target_shape)
 
 
-def _check_state(state: AttentionState, batch_shape: tuple, dim: int, name: str) -> None:
+def check_state(state: AttentionState, batch_shape: tuple, dim: int, name: str) -> None:
+    """Raises unless ``state`` is an ``AttentionState`` laid out for ``batch_shape``, ``dim``."""
     if not isinstance(state, AttentionState):
         raise TypeError(f"{name} must be an AttentionState, got {type(state).__name__}")
-    for field, want in (("m", batch_shape), ("u", batch_shape), ("w", (*batch_shape, dim))):
-        got = tuple(jnp.shape(getattr(state, field)))
-        if got != tuple(want):
+    if (state.u_err is None) != (state.w_err is None):
+        raise ValueError(f"{name} must have both u_err and w_err, or neither")
+    want = {"m": batch_shape, "u": batch_shape, "w": (*batch_shape, dim)}
+    want.update(u_err=batch_shape, w_err=(*batch_shape, dim))
+    for field, shape in want.items():
+        value = getattr(state, field)
+        if value is None:
+            continue
+        got = tuple(jnp.shape(value))
+        if got != tuple(shape):
             raise ValueError(
-                f"{name}.{field} has shape {got}, but the scores and values need {tuple(want)}"
+                f"{name}.{field} has shape {got}, but the scores and values need {tuple(shape)}"
             )
-        _check_floating(f"{name}.{field}", getattr(state, field))
+        check_floating(f"{name}.{field}", value)
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,7 +266,8 @@ def attention_step(
 ) -> tuple[AttentionState, Array]:
     """Advances the RNN by one token: the body of a ``lax.scan``, carry first.
 
-    Paper eq. (2) / SPEC 1.1. A masked token leaves the state unchanged.
+    Paper eq. (2) / SPEC 1.1. This is ``prefix_attention`` on a sequence of one token
+    (one code path): a masked token leaves the state unchanged.
 
     Args:
       state: the state before this token. m [...], u [...], w [..., D]
@@ -201,28 +289,30 @@ def attention_step(
       >>> out.shape
       (3, 4)
     """
-    _check_floating("score", score)
-    _check_floating("value", value)
+    check_floating("score", score)
+    check_floating("value", value)
     score, value = jnp.asarray(score), jnp.asarray(value)
     if value.ndim < 1 or score.shape != value.shape[:-1]:
         raise ValueError(
             f"score of shape {score.shape} must equal value's shape {value.shape} without its "
             "last axis"
         )
-    _check_state(state, score.shape, value.shape[-1], "state")
-    mask = _check_mask(mask, score.shape, "score")
-    acc = _accumulation_dtype(score.dtype, value.dtype, state.u.dtype)
-    leaf = _leaves(score.astype(acc), value.astype(acc), mask)
-    state = AttentionState(*(x.astype(acc) for x in state))
-    new_state = combine(state, leaf)
-    return new_state, _readout(new_state.u, new_state.w).astype(value.dtype)
+    check_state(state, score.shape, value.shape[-1], "state")
+    mask = check_mask(mask, score.shape, "score")
+    outputs, state = prefix_attention(
+        score[..., None],
+        value[..., None, :],
+        None if mask is None else mask[..., None],
+        initial_state=state,
+    )
+    return state, outputs[..., 0, :]
 
 
 def _leaves(scores: Array, values: Array, mask: Array | None) -> AttentionState:
     """Per-token states ``(s_i, 1, v_i)``; a masked token is the identity ``(-inf, 0, 0)``.
 
-    The mask is applied before any ``exp`` (MEASUREMENTS pitfall 3), so masked tokens get
-    exactly zero gradient.
+    The mask is applied before any arithmetic (MEASUREMENTS pitfall 3), so whatever a masked
+    token holds (NaN, inf) reaches no output, and it gets exactly zero gradient.
     """
     if mask is None:
         return AttentionState(scores, jnp.ones_like(scores), values)
@@ -233,9 +323,38 @@ def _leaves(scores: Array, values: Array, mask: Array | None) -> AttentionState:
     )
 
 
+def _map_state(state: AttentionState, per_token, per_value) -> AttentionState:
+    """Applies ``per_token`` to m, u, u_err [..., X] and ``per_value`` to w, w_err [..., X, D]."""
+    return AttentionState(
+        per_token(state.m),
+        per_token(state.u),
+        per_value(state.w),
+        None if state.u_err is None else per_token(state.u_err),
+        None if state.w_err is None else per_value(state.w_err),
+    )
+
+
+def _time_major(state: AttentionState) -> AttentionState:
+    return _map_state(state, lambda x: jnp.moveaxis(x, -1, 0), lambda x: jnp.moveaxis(x, -2, 0))
+
+
+def _time_minor(state: AttentionState) -> AttentionState:
+    return _map_state(state, lambda x: jnp.moveaxis(x, 0, -1), lambda x: jnp.moveaxis(x, 0, -2))
+
+
+def _expand_time(state: AttentionState) -> AttentionState:
+    """Adds a length-1 time axis so a state [...] broadcasts against states [..., T]."""
+    return _map_state(state, lambda x: x[..., None], lambda x: x[..., None, :])
+
+
+def _last(states: AttentionState) -> AttentionState:
+    """The state after the last token of states [..., T]."""
+    return _map_state(states, lambda x: x[..., -1], lambda x: x[..., -1, :])
+
+
 # ----------------------------------------------------------------------------------------
-# Prefix states of a whole sequence: three methods. Each maps leaves [..., T] / [..., T, D]
-# and an initial state [...] to the state after every prefix, [..., T] / [..., T, D].
+# Prefix states of a whole sequence. Each method maps leaves [..., T] / [..., T, D] and an
+# initial state [...] to the state after every prefix, [..., T] / [..., T, D].
 
 
 def _prefix_states_associative(leaves: AttentionState, init: AttentionState) -> AttentionState:
@@ -249,13 +368,8 @@ def _prefix_states_sequential(leaves: AttentionState, init: AttentionState) -> A
         state = combine(state, leaf)
         return state, state
 
-    time_major = AttentionState(
-        jnp.moveaxis(leaves.m, -1, 0), jnp.moveaxis(leaves.u, -1, 0), jnp.moveaxis(leaves.w, -2, 0)
-    )
-    _, states = jax.lax.scan(body, init, time_major)
-    return AttentionState(
-        jnp.moveaxis(states.m, 0, -1), jnp.moveaxis(states.u, 0, -1), jnp.moveaxis(states.w, 0, -2)
-    )
+    _, states = jax.lax.scan(body, init, _time_major(leaves))
+    return _time_minor(states)
 
 
 def _prefix_states_chunked(
@@ -265,7 +379,6 @@ def _prefix_states_chunked(
     num_tokens = leaves.m.shape[-1]
     num_chunks = -(-num_tokens // chunk_size)
     batch_shape = leaves.m.shape[:-1]
-    dim = leaves.w.shape[-1]
     blocked = functools.partial(
         _to_blocks, batch_ndim=len(batch_shape), num_blocks=num_chunks, chunk_size=chunk_size
     )
@@ -274,27 +387,17 @@ def _prefix_states_chunked(
     local = _dense_block_prefixes(blocks)
 
     # Exclusive prefix over the block totals: the state before each block.
-    totals = AttentionState(local.m[..., -1], local.u[..., -1], local.w[..., -1, :])
-
     def body(state, total):
         return combine(state, total), state
 
-    time_major = AttentionState(
-        jnp.moveaxis(totals.m, -1, 0), jnp.moveaxis(totals.u, -1, 0), jnp.moveaxis(totals.w, -2, 0)
+    _, before = jax.lax.scan(body, init, _time_major(_last(local)))
+    states = combine(_expand_time(_time_minor(before)), local)
+    states = _map_state(
+        states,
+        lambda x: x.reshape(*batch_shape, -1)[..., :num_tokens],
+        lambda x: x.reshape(*batch_shape, -1, x.shape[-1])[..., :num_tokens, :],
     )
-    _, before = jax.lax.scan(body, init, time_major)
-    before = AttentionState(
-        jnp.moveaxis(before.m, 0, -1), jnp.moveaxis(before.u, 0, -1), jnp.moveaxis(before.w, 0, -2)
-    )
-    states = combine(_expand_time(before), local)
-    states = AttentionState(
-        states.m.reshape(*batch_shape, -1),
-        states.u.reshape(*batch_shape, -1),
-        states.w.reshape(*batch_shape, -1, dim),
-    )
-    return AttentionState(
-        states.m[..., :num_tokens], states.u[..., :num_tokens], states.w[..., :num_tokens, :]
-    )
+    return states
 
 
 def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
@@ -315,13 +418,62 @@ def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
     exponent = jnp.where(causal, blocks.m[..., None, :] - ref[..., :, None], -jnp.inf)
     weights = jnp.exp(exponent)
     u = jnp.einsum("...ti,...i->...t", weights, blocks.u)
-    w = jnp.einsum("...ti,...id->...td", weights, blocks.w)
+    # A non-finite value would reach earlier positions of its block as 0 * nan through the
+    # product: leave it out there, and make every position from it on NaN instead.
+    finite = jnp.isfinite(blocks.w)
+    w = jnp.einsum("...ti,...id->...td", weights, jnp.where(finite, blocks.w, 0.0))
+    seen_bad = jax.lax.cummax((~finite).astype(jnp.int8), axis=finite.ndim - 2) > 0
+    w = jnp.where(seen_bad, jnp.nan, w)
     return AttentionState(running_max, u, w)
 
 
-def _expand_time(state: AttentionState) -> AttentionState:
-    """Adds a length-1 time axis so a state [...] broadcasts against states [..., T]."""
-    return AttentionState(state.m[..., None], state.u[..., None], state.w[..., None, :])
+def _prefix_states_single(leaves: AttentionState, init: AttentionState) -> AttentionState:
+    """One token: a single ``combine`` (the streaming step's static fast path)."""
+    return _expand_time(combine(init, _last(leaves)))
+
+
+# ----------------------------------------------------------------------------------------
+# Method selection
+
+
+def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> str:
+    """The named method ``prefix_attention`` runs for ``method`` at this length and backend.
+
+    ``"auto"`` resolves by backend and shape: one token takes ``"single"`` (one
+    ``combine``); on CPU, sequences of ``BLOCKED_MIN_TOKENS`` or more take ``"blocked"``,
+    the fastest method at every length ``benchmarks/scan.py`` measured there, forward and
+    backward (``results/scan_cpu.json``); shorter ones, and other backends (not measured
+    here), the paper's ``"associative"`` scan. ``"blocked"`` has a custom reverse-mode
+    gradient and no forward mode: ``jax.jvp`` / ``jax.hessian`` of a long sequence on CPU
+    need ``method="associative"``. Other names are returned as they are.
+
+    Args:
+      method: one of ``METHODS``.
+      num_tokens: ``T``.
+      backend: ``jax.default_backend()`` when None.
+
+    Raises:
+      ValueError: an unknown method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    if num_tokens == 1:
+        return "single"
+    on_cpu = (backend or jax.default_backend()) == "cpu"
+    return "blocked" if on_cpu and num_tokens >= BLOCKED_MIN_TOKENS else "associative"
+
+
+def check_chunk_size(chunk_size) -> int:
+    """``chunk_size`` (None: ``DEFAULT_CHUNK_SIZE``) as a positive int; ValueError otherwise."""
+    if chunk_size is None:
+        return DEFAULT_CHUNK_SIZE
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer):
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    return int(chunk_size)
 
 
 # ----------------------------------------------------------------------------------------
@@ -346,15 +498,20 @@ def prefix_attention(
     Args:
       scores: per-token scores ``<q, k_i> / sqrt(D)``. [..., T]
       values: per-token values. [..., T, D]
-      mask: True where a token is attended; default all. [..., T] (broadcastable)
+      mask: True where a token is attended; default all. Masked tokens may hold anything
+        (NaN, inf): they reach no output and get zero gradient. [..., T] (broadcastable)
       initial_state: state of tokens before these, e.g. a prefill; default the identity.
-        m [...], u [...], w [..., D]
-      method: ``"associative"`` (``lax.associative_scan``, O(log T) depth),
-        ``"sequential"`` (``lax.scan`` of the one-token update), ``"chunked"`` (dense
-        ``C x C`` blocks, state carried across blocks), or ``"auto"`` (the fastest for the
-        backend and shape, chosen by ``benchmarks/scan.py``; it has a custom gradient that
-        runs one reverse scan).
-      chunk_size: block size ``C`` of the chunked method (default 64); need not divide T.
+        A compensated state (``init_state(..., compensated=True)``) gives a compensated
+        final state. m [...], u [...], w [..., D]
+      method: a named method, or ``"auto"`` (``resolve_method``: by backend and length):
+        ``"blocked"`` (a two-pass blocked kernel with a custom gradient that runs one
+        reverse pass; reverse-mode AD only), ``"associative"`` (``lax.associative_scan``,
+        O(log T) depth), ``"sequential"`` (``lax.scan`` of the one-token update),
+        ``"chunked"`` (dense ``C x C`` blocks, state carried across blocks; paper App. A),
+        ``"single"`` (one token: one ``combine``).
+      chunk_size: block size ``C`` of ``"chunked"`` (default 64) and the target block size
+        of ``"blocked"`` (a nearby divisor of T is taken when one exists); ignored by the
+        other methods. Need not divide T.
 
     Returns:
       ``(outputs, final_state)``: outputs [..., T, D] in ``values``' dtype, exactly 0 where
@@ -363,7 +520,8 @@ def prefix_attention(
 
     Raises:
       TypeError: non-floating scores, values or state; a non-boolean mask.
-      ValueError: shapes that do not match, naming both; an unknown method.
+      ValueError: shapes that do not match, naming both; an unknown method; ``"single"``
+        for more than one token.
 
     Example:
       >>> scores = jnp.array([0.0, 1.0, 2.0])
@@ -372,10 +530,8 @@ def prefix_attention(
       >>> out[0]
       Array([1., 0., 0.], dtype=float32)
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    _check_floating("scores", scores)
-    _check_floating("values", values)
+    check_floating("scores", scores)
+    check_floating("values", values)
     scores, values = jnp.asarray(scores), jnp.asarray(values)
     if scores.ndim < 1:
         raise ValueError(f"scores must have a time axis: shape [..., T], got {scores.shape}")
@@ -384,46 +540,42 @@ def prefix_attention(
             f"values of shape {values.shape} must be scores' shape {scores.shape} plus a "
             "value axis D: [..., T, D]"
         )
-    mask = _check_mask(mask, scores.shape, "scores")
-    batch_shape, dim = scores.shape[:-1], values.shape[-1]
-    if chunk_size is None:
-        chunk_size = DEFAULT_CHUNK_SIZE
-    elif not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    mask = check_mask(mask, scores.shape, "scores")
+    batch_shape, num_tokens, dim = scores.shape[:-1], scores.shape[-1], values.shape[-1]
+    chunk_size = check_chunk_size(chunk_size)
+    method = resolve_method(method, num_tokens)
+    if method == "single" and num_tokens != 1:
+        raise ValueError(f'method "single" takes one token, got T = {num_tokens}')
 
-    acc = _accumulation_dtype(scores.dtype, values.dtype)
+    acc = accumulation_dtype(scores.dtype, values.dtype)
     if initial_state is None:
         initial_state = init_state(batch_shape, dim, acc)
     else:
-        _check_state(initial_state, batch_shape, dim, "initial_state")
-        acc = _accumulation_dtype(acc, *(x.dtype for x in initial_state))
-        initial_state = AttentionState(*(jnp.asarray(x, acc) for x in initial_state))
-
-    scores_acc, values_acc = scores.astype(acc), values.astype(acc)
-    if scores.shape[-1] == 0:
+        check_state(initial_state, batch_shape, dim, "initial_state")
+        acc = accumulation_dtype(acc, initial_state.u.dtype)
+        initial_state = jax.tree.map(lambda x: jnp.asarray(x, acc), initial_state)
+    if num_tokens == 0:
         return jnp.zeros(values.shape, values.dtype), initial_state
-    if method == "auto":
-        # The two-pass kernel was the fastest method at every length benchmarks/scan.py
-        # measured on CPU, forward and backward (README, results/scan_cpu.json).
-        valid = jnp.ones(scores.shape, bool) if mask is None else mask
-        block = _pick_chunk(scores.shape[-1], int(chunk_size))
-        outputs, final = _blocked_attention(scores_acc, values_acc, valid, initial_state, block)
+
+    if method == "blocked":
+        outputs, final = _blocked(
+            scores.astype(acc), values.astype(acc), mask, initial_state, chunk_size
+        )
         return outputs.astype(values.dtype), final
 
-    leaves = _leaves(scores_acc, values_acc, mask)
-    if method == "associative":
-        states = _prefix_states_associative(leaves, initial_state)
-    elif method == "sequential":
-        states = _prefix_states_sequential(leaves, initial_state)
-    else:
-        states = _prefix_states_chunked(leaves, initial_state, int(chunk_size))
-    outputs = _readout(states.u, states.w).astype(values.dtype)
-    final = AttentionState(states.m[..., -1], states.u[..., -1], states.w[..., -1, :])
-    return outputs, final
+    leaves = _leaves(scores.astype(acc), values.astype(acc), mask)
+    prefix_states = {
+        "single": _prefix_states_single,
+        "associative": _prefix_states_associative,
+        "sequential": _prefix_states_sequential,
+        "chunked": functools.partial(_prefix_states_chunked, chunk_size=chunk_size),
+    }[method]
+    states = prefix_states(leaves, initial_state)
+    return readout(states).astype(values.dtype), _last(states)
 
 
 # ----------------------------------------------------------------------------------------
-# The "auto" path: a two-pass blocked kernel with a custom gradient.
+# The "blocked" method: a two-pass blocked kernel with a custom gradient.
 #
 # Pass 1 reduces each block of C tokens to its total state (one read of the values); a
 # short scan across blocks gives the state before each block; pass 2 walks the C positions
@@ -439,6 +591,27 @@ def prefix_attention(
 # max M_i = max_{t>=i} -lse_t keeps every factor exp(s_i + M_i) <= 1. The final state's
 # cotangents enter as one more term after the last token, with score -m_T; the initial
 # state's gradient is that of one more token before the first.
+
+
+def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
+    """The blocked kernel: validity as an array, masked values zeroed, compensation folded.
+
+    The kernel multiplies masked values by a weight of 0, so they are zeroed first: a NaN
+    there would otherwise give ``0 * nan = nan``. A compensated initial state enters as its
+    rounded sum (one rounding per call, not per token) and the final state keeps the
+    compensated layout with zero error terms.
+    """
+    valid = jnp.ones(scores.shape, bool) if mask is None else mask
+    if mask is not None:
+        values = jnp.where(mask[..., None], values, jnp.zeros((), values.dtype))
+    plain = AttentionState(init.m, init.u, init.w)
+    if init.compensated:
+        plain = AttentionState(init.m, init.u + init.u_err, init.w + init.w_err)
+    block = _pick_chunk(scores.shape[-1], chunk_size)
+    outputs, final = _blocked_attention(scores, values, valid, plain, block)
+    if init.compensated:
+        final = final._replace(u_err=jnp.zeros_like(final.u), w_err=jnp.zeros_like(final.w))
+    return outputs, final
 
 
 def _pick_chunk(num_tokens: int, target: int) -> int:
@@ -563,9 +736,9 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
 def _forward_readout(ref, sums, extras):
     del extras
     u, w = sums
-    seen = u > 0
+    seen = u != 0
     log_norm = jnp.where(seen, ref + jnp.log(jnp.where(seen, u, 1.0)), -jnp.inf)
-    return _readout(u, w), log_norm
+    return readout(AttentionState(ref, u, w)), log_norm
 
 
 def _blocked_forward(scores, values, valid, init, chunk_size):
