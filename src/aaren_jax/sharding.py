@@ -13,6 +13,8 @@ Shape notation: ``...`` leading axes, ``T`` time (split across devices), ``D`` v
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -53,6 +55,58 @@ def _mesh_for_context(mesh: Mesh) -> Mesh:
     if explicit_context or all(t != AxisType.Explicit for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("mesh", "axis_name", "batch_axis_name", "method", "chunk_size")
+)
+def _sharded(scores, values, mask, *, mesh, axis_name, batch_axis_name, method, chunk_size):
+    """The ``shard_map`` itself, jitted (the mesh and names are static).
+
+    Eager calls and their gradients then run as one compiled program each, not op by op
+    inside ``shard_map`` (an eager gradient took minutes on 4 simulated CPU devices).
+    """
+    num_shards = mesh.shape[axis_name]
+    batch_ndim = scores.ndim - 1
+    lead = (batch_axis_name,) + (None,) * (batch_ndim - 1) if batch_ndim else ()
+    time_spec = PartitionSpec(*lead, axis_name)
+    value_spec = PartitionSpec(*lead, axis_name, None)
+    state_spec = AttentionState(
+        PartitionSpec(*lead), PartitionSpec(*lead), PartitionSpec(*lead, None)
+    )
+
+    def local(s, v, m):
+        totals = jax.lax.all_gather(_total(s, v, m), axis_name)  # [P, ...] on every device
+        index = jax.lax.axis_index(axis_name)
+        identity = init_state(s.shape[:-1], v.shape[-1], totals.u.dtype)
+        before, everything = identity, identity
+        for shard in range(num_shards):  # P is small and static: a short unrolled fold
+            total = jax.tree.map(lambda x, shard=shard: x[shard], totals)
+            everything = combine(everything, total)
+            keep = shard < index
+            before = jax.tree.map(
+                lambda x, y, keep=keep: jnp.where(keep, x, y), combine(before, total), before
+            )
+        outputs, _ = prefix_attention(
+            s, v, m, initial_state=before, method=method, chunk_size=chunk_size
+        )
+        return outputs, everything
+
+    shard_mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(time_spec, value_spec, time_spec),
+        out_specs=(value_spec, state_spec),
+        check_vma=False,
+    )
+    inputs = (scores, values, mask)
+    specs = (time_spec, value_spec, time_spec)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # Explicit meshes do not reshard implicitly: place the slices where shard_map wants them.
+        inputs = tuple(
+            jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(inputs, specs, strict=True)
+        )
+    return shard_mapped(*inputs)
 
 
 def sequence_parallel_prefix_attention(
@@ -116,48 +170,17 @@ def sequence_parallel_prefix_attention(
             f"the time axis of scores {scores.shape} must be divisible by the {num_shards} "
             f"devices of mesh axis {axis_name!r}"
         )
-    batch_ndim = scores.ndim - 1
-    if batch_axis_name is not None and batch_ndim == 0:
+    if batch_axis_name is not None and scores.ndim == 1:
         raise ValueError("batch_axis_name needs scores with a leading batch axis")
-    lead = (batch_axis_name,) + (None,) * (batch_ndim - 1) if batch_ndim else ()
-    time_spec = PartitionSpec(*lead, axis_name)
-    value_spec = PartitionSpec(*lead, axis_name, None)
-    state_spec = AttentionState(
-        PartitionSpec(*lead), PartitionSpec(*lead), PartitionSpec(*lead, None)
-    )
-
-    def local(s, v, m):
-        totals = jax.lax.all_gather(_total(s, v, m), axis_name)  # [P, ...] on every device
-        index = jax.lax.axis_index(axis_name)
-        identity = init_state(s.shape[:-1], v.shape[-1], totals.u.dtype)
-        before, everything = identity, identity
-        for shard in range(num_shards):  # P is small and static: a short unrolled fold
-            total = jax.tree.map(lambda x, shard=shard: x[shard], totals)
-            everything = combine(everything, total)
-            keep = shard < index
-            before = jax.tree.map(
-                lambda x, y, keep=keep: jnp.where(keep, x, y), combine(before, total), before
-            )
-        outputs, _ = prefix_attention(
-            s, v, m, initial_state=before, method=method, chunk_size=chunk_size
-        )
-        return outputs, everything
-
-    mesh = _mesh_for_context(mesh)
     accumulate = jnp.promote_types(jnp.result_type(scores, values), jnp.float32)
-    shard_mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(time_spec, value_spec, time_spec),
-        out_specs=(value_spec, state_spec),
-        check_vma=False,
+    outputs, final = _sharded(
+        scores.astype(accumulate),
+        values.astype(accumulate),
+        mask,
+        mesh=_mesh_for_context(mesh),
+        axis_name=axis_name,
+        batch_axis_name=batch_axis_name,
+        method=method,
+        chunk_size=chunk_size,
     )
-    inputs = (scores.astype(accumulate), values.astype(accumulate), mask)
-    specs = (time_spec, value_spec, time_spec)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        # Explicit meshes do not reshard implicitly: place the slices where shard_map wants them.
-        inputs = tuple(
-            jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(inputs, specs, strict=True)
-        )
-    outputs, final = shard_mapped(*inputs)
     return outputs.astype(values.dtype), final
