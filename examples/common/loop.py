@@ -29,6 +29,7 @@ from flax import nnx
 
 from examples.common.checkpoint import CheckpointIO
 from examples.common.optim import OptimConfig, make_optimizer
+from examples.common.parallel import data_mesh, replicate, shard_batch
 from examples.common.progress import Progress
 
 Batch = Mapping[str, np.ndarray]
@@ -57,6 +58,7 @@ class LoopConfig:
     checkpoint_every: int = 1  # epochs between checkpoints (the last epoch is always saved)
     log_every: int = 50  # steps between progress-bar updates (each one syncs the device)
     progress: bool = True  # show a tqdm progress bar
+    data_parallel: bool = True  # shard each batch over all devices (a no-op on one device)
 
 
 class TrainResult(NamedTuple):
@@ -223,12 +225,23 @@ def fit(
     train_step, params, opt_state, rest = make_train_step(model, loss_fn, optim, loop.seed)
     eval_step = functools.partial(_eval_step, graphdef=graphdef_eval, eval_fn=eval_fn)
 
+    # Data parallel: replicated state, batches split over all devices (None: one device).
+    mesh = data_mesh() if loop.data_parallel else None
+    if mesh is not None and loop.batch_size % mesh.size:
+        raise ValueError(
+            f"batch size {loop.batch_size} is not a multiple of the {mesh.size} devices; "
+            "change it or set LoopConfig.data_parallel=False"
+        )
+    eval_mesh = mesh if mesh is not None and loop.eval_batch_size % mesh.size == 0 else None
+    if mesh is not None:
+        logging.info("%s: data parallel over %d devices", desc, mesh.size)
+
     def evaluate_params(p, source: BatchSource) -> dict:
         sums: dict[str, float] = {}
         for idx, weight in _padded_batches(len(source), loop.eval_batch_size):
             batch = dict(source.batch(idx))
             batch["weight"] = weight
-            out = eval_step(p, rest, batch)
+            out = eval_step(p, rest, shard_batch(batch, eval_mesh))
             for k, v in out.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         n = sums.pop("n")
@@ -266,6 +279,8 @@ def fit(
             step, {"params": params, "opt_state": opt_state, "best_params": best_params}, meta
         )
 
+    params, opt_state, best_params, rest = replicate((params, opt_state, best_params, rest), mesh)
+
     # --- training ---------------------------------------------------------------------------
     stop_at = total_steps if loop.max_steps is None else min(total_steps, loop.max_steps)
     # One bar per epoch: early stopping cannot make its total (and ETA) wrong.
@@ -285,7 +300,11 @@ def fit(
             )
         idx = perm[i * loop.batch_size : (i + 1) * loop.batch_size]
         params, opt_state, loss = train_step(
-            params, opt_state, rest, train_data.batch(idx), jnp.asarray(step, jnp.uint32)
+            params,
+            opt_state,
+            rest,
+            shard_batch(train_data.batch(idx), mesh),
+            jnp.asarray(step, jnp.uint32),
         )
         step += 1
         loss_acc = loss if loss_acc is None else loss_acc + loss

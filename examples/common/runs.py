@@ -33,6 +33,7 @@ IGNORED = (
     "loop.checkpoint",
     "loop.checkpoint_every",
     "loop.eval_batch_size",
+    "loop.data_parallel",
     "data.data_root",
 )
 RUN_FILES = (

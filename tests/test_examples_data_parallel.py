@@ -1,0 +1,117 @@
+"""Data parallel training of the examples: a step on 4 devices equals a step on 1 device.
+
+The 4 devices are simulated CPU devices (``--xla_force_host_platform_device_count=4``),
+which must be set before JAX starts, hence a subprocess.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from examples.common.paths import REPO_ROOT
+
+SCRIPT = textwrap.dedent(
+    """
+    import dataclasses, functools, json
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from examples.common import fit
+    from examples.common.loop import _train_step
+    from examples.common.parallel import data_mesh, replicate, shard_batch
+    from examples.forecasting import configs, train
+    from examples.forecasting.data import ForecastData, WindowDataset
+
+    assert jax.device_count() == 4, jax.devices()
+    mesh = data_mesh()
+    assert mesh is not None and mesh.size == 4 and data_mesh(jax.devices()[:1]) is None
+    rng = np.random.default_rng(0)
+    cfg = configs.tiny_config(backbone="aaren")  # dropout 0.1: the masks must agree too
+    L, P, C, F = cfg.data.seq_len, cfg.data.pred_len, 3, 4
+
+    def split(n):
+        rows = n + L + P - 1
+        return WindowDataset(
+            rng.normal(size=(rows, C)).astype(np.float32),
+            rng.uniform(-0.5, 0.5, size=(rows, F)).astype(np.float32),
+            L,
+            P,
+        )
+
+    data = ForecastData(
+        split(32), split(16), split(16), np.zeros(C), np.ones(C), ["a", "b", "OT"], "h",
+        ([0, 0, 0], [0, 0, 0]),
+    )
+    out = {}
+
+    # 1. One jitted training step of the examples (the one fit runs), batch of 8 split 4 ways.
+    # SGD: the update is linear in the gradient, so parameters differ by round-off only.
+    # (Adam divides by |gradient|: where the exact gradient is 0, such as the key bias that
+    # softmax ignores, it turns round-off into steps of +-lr that change no output.)
+    model = train.build_model(cfg, data)
+    model.train()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.sgd(0.1)
+    step = functools.partial(
+        _train_step, graphdef=graphdef, tx=tx, loss_fn=train.loss_fn, base_key=jax.random.key(0)
+    )
+    batch = data.train.batch(np.arange(8))
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    p1, _, loss1 = step(copy(params), tx.init(params), rest, batch, jnp.uint32(5))
+    p4, r4 = replicate((copy(params), rest), mesh)
+    p4, _, loss4 = step(p4, tx.init(p4), r4, shard_batch(batch, mesh), jnp.uint32(5))
+    assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(p4))
+    maxdiff = lambda x, y: max(
+        float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))
+    )
+    out["step"] = {
+        "loss": [float(loss1), float(loss4)],
+        "max_param_diff": maxdiff(p1, p4),
+        "max_update": maxdiff(p1, params),
+    }
+
+    # 2. fit itself (AdamW, 3 steps, validation), on 1 device and on 4.
+    for name, parallel in (("one", False), ("four", True)):
+        loop = dataclasses.replace(
+            cfg.loop, max_steps=3, batch_size=8, eval_batch_size=8, data_parallel=parallel
+        )
+        optim = dataclasses.replace(cfg.optim, warmup_steps=0)
+        result = fit(
+            train.build_model(cfg, data), train.loss_fn, train.eval_fn, data.train, data.val,
+            monitor="mse", mode="min", loop=loop, optim=optim,
+        )
+        devices = {len(x.sharding.device_set) for x in jax.tree.leaves(result.params)}
+        out[name] = {"val": result.evaluate(data.val), "devices": sorted(devices)}
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_one_step_on_four_devices_equals_one_device():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *sys.path])
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    out = json.loads(line[len("RESULT") :])
+    step = out["step"]
+    assert step["loss"][0] == pytest.approx(step["loss"][1], rel=1e-6)
+    assert step["max_update"] > 1e-4  # the step moved the parameters ...
+    assert step["max_param_diff"] < 1e-6  # ... identically, to float32 round-off
+    assert out["one"]["devices"] == [1] and out["four"]["devices"] == [4]
+    for k, v in out["one"]["val"].items():
+        assert out["four"]["val"][k] == pytest.approx(v, rel=1e-5), k
