@@ -1,6 +1,8 @@
 """Deployment helpers: the compiled step, the lax.scan streamer, the jax.export artifact."""
 
+import json
 import re
+import struct
 
 import chex
 import jax
@@ -282,3 +284,25 @@ def test_step_state_or_carry_of_another_model_is_named():
     _, y_t = loaded.step(model.init_carry(B), x_t)
     _, expected = model.step(model.init_carry(B), x_t)
     chex.assert_trees_all_close(y_t, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_format_version_1_artifacts_still_load(artifact):
+    """Version 1 had no digest in its header; the parts are otherwise the same."""
+    model, blob = artifact
+    magic = b"AARENJAX-STEP\x00"
+    parts, pos = [], len(magic)
+    while pos < len(blob):
+        (size,) = struct.unpack_from("<Q", blob, pos)
+        parts.append(blob[pos + 8 : pos + 8 + size])
+        pos += 8 + size
+    meta = json.loads(parts[0])
+    assert meta.pop("version") == 2 and len(meta.pop("sha256")) == 2
+    parts[0] = json.dumps({"version": 1, **meta}).encode()
+    loaded = aj.load_step(magic + b"".join(struct.pack("<Q", len(p)) + p for p in parts))
+    x = inputs(7)
+    _, expected = model.step(model.init_carry(B, max_len=T), x[:, 0])
+    _, y_t = loaded.step(loaded.init_carry(), x[:, 0])
+    chex.assert_trees_all_close(y_t, expected, atol=1e-5, rtol=1e-5)
+    parts[0] = json.dumps({"version": 9, **meta}).encode()
+    with pytest.raises(ValueError, match="unsupported aaren_jax step artifact version 9"):
+        aj.load_step(magic + b"".join(struct.pack("<Q", len(p)) + p for p in parts))
