@@ -115,3 +115,63 @@ def test_one_step_on_four_devices_equals_one_device():
     assert out["one"]["devices"] == [1] and out["four"]["devices"] == [4]
     for k, v in out["one"]["val"].items():
         assert out["four"]["val"][k] == pytest.approx(v, rel=1e-5), k
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_on_loopback_equal_one_process(tmp_path, monkeypatch):
+    """The multi-host recipe (README of the examples) with two local processes."""
+    from test_examples_runs import TINY, write_tslib_csv
+
+    from examples.forecasting import main as forecast_main
+
+    csv_path = write_tslib_csv(tmp_path / "series.csv")
+    args = ["--csv", str(csv_path), *TINY, "--epochs", "2"]
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *sys.path])
+    port = _free_port()
+    workdir = tmp_path / "two"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO_ROOT / "examples" / "forecasting" / "main.py"),
+                *args,
+                "--workdir",
+                str(workdir),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-4000:]
+    two = json.loads((workdir / "result.json").read_text())["record"]
+
+    monkeypatch.setattr(forecast_main, "setup_logging", lambda: None)
+    one = forecast_main.main([*args, "--workdir", str(tmp_path / "one")])  # 1 process, 1 device
+    assert two["steps"] == one["steps"] == 4
+    for key in ("mse", "mae", "val_mse"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key

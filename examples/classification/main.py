@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from examples.classification import configs, train  # noqa: E402
 from examples.common import setup_logging  # noqa: E402
+from examples.common.parallel import add_distributed_args, initialize_distributed  # noqa: E402
 from examples.common.paths import ensure_importable  # noqa: E402
 from examples.common.runs import ConfigMismatchError, default_run_dir  # noqa: E402
 
@@ -52,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
     p.add_argument("--monitor", choices=["nll", "accuracy"], default=None)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_distributed_args(p)
     return p.parse_args(argv)
 
 
@@ -82,6 +84,7 @@ def main(argv=None) -> dict:
     setup_logging()
     ensure_importable()
     args = parse_args(argv)
+    initialize_distributed(args)
     cfg = config_from_args(args)
     name = f"{cfg.data.dataset}_{cfg.model.backbone}_{cfg.loop.seed}"
     workdir = args.workdir or str(default_run_dir("classification", name, cfg))

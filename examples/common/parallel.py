@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -34,10 +35,26 @@ def data_mesh(devices: list | None = None) -> Mesh | None:
 
 
 def replicate(tree: Any, mesh: Mesh | None) -> Any:
-    """Places every array of ``tree`` on all devices of ``mesh`` (unchanged if None)."""
+    """Places every array of ``tree`` on all devices of ``mesh`` (unchanged if None).
+
+    With several processes each one must hold the same values (same seed, same restored
+    checkpoint); each fills its own devices.
+    """
     if mesh is None:
         return tree
-    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
+    sharding = NamedSharding(mesh, PartitionSpec())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree.map(lambda x: _replicate_global(x, sharding), tree)
+
+
+def _replicate_global(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``device_put`` cannot reach other processes' devices: build the global array instead."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _replicate_global(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh | None) -> dict[str, Any]:
@@ -62,3 +79,30 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh | None) -> dict[str, Any]:
             )
         out[name] = jax.make_array_from_callback(x.shape, sharding, lambda idx, x=x: x[idx])
     return out
+
+
+def add_distributed_args(parser) -> None:
+    """``--coordinator``, ``--num-processes``, ``--process-id``: one run over several hosts."""
+    g = parser.add_argument_group("several hosts (jax.distributed)")
+    g.add_argument(
+        "--coordinator", default=None, help="host:port of process 0; starts jax.distributed"
+    )
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, help="this process, 0 .. N-1")
+
+
+def initialize_distributed(args) -> None:
+    """Starts ``jax.distributed`` when ``args.coordinator`` is set (before any device use).
+
+    On CPU hosts the cross-process collectives go through gloo. Every process runs the same
+    command with its own ``--process-id``; process 0 writes the run folder's files.
+    """
+    if getattr(args, "coordinator", None) is None:
+        return
+    # CPU devices need gloo for cross-process collectives; GPUs and TPUs ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )

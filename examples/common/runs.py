@@ -93,6 +93,13 @@ def default_run_dir(task: str, name: str, config: Any) -> Path:
     return runs_root() / task / "runs" / f"{safe}-{config_hash(config)}"
 
 
+def _is_writer() -> bool:
+    """Whether this process writes run files: always, unless it is not process 0 of several."""
+    import jax
+
+    return jax.process_index() == 0
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
@@ -149,11 +156,13 @@ class RunDir:
                 "discard it and start fresh, or use another --workdir."
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        if not saved_file.exists():
+        if not saved_file.exists() and _is_writer():
             _write_json(saved_file, self.config)
 
     def clear(self) -> None:
         """Removes the run's files (config, result, plot, checkpoints); keeps anything else."""
+        if not _is_writer():
+            return
         shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
         for name in RUN_FILES:
             (self.path / name).unlink(missing_ok=True)
@@ -194,6 +203,9 @@ class RunDir:
         Returns:
           The path of ``result.json``.
         """
+        out = self.path / "result.json"
+        if not _is_writer():  # several processes: process 0 writes
+            return out
         summary = {
             "record": dict(record),
             "finished": finished,
@@ -201,7 +213,6 @@ class RunDir:
             "config": self.config,
             **(extra or {}),
         }
-        out = self.path / "result.json"
         _write_json(out, summary)
         try:
             plot_history(history, self.path / "loss.png", plot_keys, title=self.path.name)

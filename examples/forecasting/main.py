@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from examples.common import setup_logging  # noqa: E402
+from examples.common.parallel import add_distributed_args, initialize_distributed  # noqa: E402
 from examples.common.paths import ensure_importable  # noqa: E402
 from examples.common.runs import ConfigMismatchError, default_run_dir  # noqa: E402
 from examples.forecasting import configs, data, train  # noqa: E402
@@ -72,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--keep-checkpoints", action="store_true", help="keep checkpoints once the run finished"
     )
     r.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_distributed_args(p)
     return p.parse_args(argv)
 
 
@@ -82,6 +84,8 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
     cfg = configs.get_config(dataset, args.horizon, args.model, args.seed)
     cfg.data.data_root = args.data_root
     if args.csv:
+        if not Path(args.csv).is_file():
+            raise SystemExit(f"error: --csv {args.csv}: no such file")
         cfg.data.csv = str(Path(args.csv).resolve())
         cfg.data.split = args.split
     cfg.data.target = args.target
@@ -112,6 +116,7 @@ def main(argv=None) -> dict:
     setup_logging()
     ensure_importable()
     args = parse_args(argv)
+    initialize_distributed(args)
     cfg = config_from_args(args)
     name = f"{cfg.data.dataset}_{cfg.data.pred_len}_{cfg.model.backbone}_{cfg.loop.seed}"
     workdir = args.workdir or str(default_run_dir("forecasting", name, cfg))
