@@ -128,9 +128,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_on_loopback_equal_one_process(tmp_path, monkeypatch):
     """The multi-host recipe (README of the examples) with two local processes."""
-    from test_examples_runs import TINY, write_tslib_csv
-
     from examples.forecasting import main as forecast_main
+    from tests.test_examples_runs import TINY, write_tslib_csv
 
     csv_path = write_tslib_csv(tmp_path / "series.csv")
     args = ["--csv", str(csv_path), *TINY, "--epochs", "2"]
