@@ -61,7 +61,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh | None) -> dict[str, Any]:
     """Splits every array of ``batch`` along its first axis over the mesh's data axis.
 
     Built with ``jax.make_array_from_callback`` from the full host batch, so the same code
-    serves several processes: each one fills only the rows of its own devices.
+    serves several processes: each one fills only the rows of its own devices. Scalars are
+    replicated.
 
     Raises:
       ValueError: when a batch's leading size is not a multiple of the number of devices.
@@ -72,6 +73,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh | None) -> dict[str, Any]:
     out = {}
     for name, x in batch.items():
         x = np.asarray(x)
+        if x.ndim == 0:  # a scalar setting, not examples: every device gets it
+            out[name] = replicate(x, mesh)
+            continue
         if x.shape[0] % mesh.size:
             raise ValueError(
                 f"batch {name!r} has {x.shape[0]} rows, not a multiple of the {mesh.size} "
