@@ -45,7 +45,7 @@ class Config:
         default_factory=lambda: LoopConfig(
             batch_size=32,
             eval_batch_size=32,
-            max_epochs=30,
+            max_epochs=60,  # Sin, seed 0: still improving at 30 epochs of lr 1e-3
             steps_per_epoch=40,
             patience=5,
             log_every=20,
@@ -53,14 +53,18 @@ class Config:
         )
     )
     optim: OptimConfig = dataclasses.field(
-        # the paper: meta-tpp's defaults with learning rate 5e-4 (Appendix E); AdamW here
-        default_factory=lambda: OptimConfig(learning_rate=1e-3, warmup_steps=50, weight_decay=1e-4)
+        # the paper used meta-tpp's Adam at lr 5e-4 (Appendix E); here AdamW at 3e-3, chosen on
+        # Sin's validation split (val NLL 0.702 against 0.773 at 1e-3, seed 0, Aaren)
+        default_factory=lambda: OptimConfig(learning_rate=3e-3, warmup_steps=50, weight_decay=1e-4)
     )
 
 
-# Per-dataset settings that depend on the data's shape only (never on a model): Wikipedia's
-# 8227-way mark softmax over sequences of up to 1936 events needs small evaluation batches.
+# Per-dataset settings that depend on the data's shape only (never on a model). Wikipedia:
+# an 8227-way mark softmax over sequences of up to 1936 events needs small evaluation batches,
+# an epoch costs minutes on a shared 2-core CPU, and validation NLL rises after 2-3 epochs
+# (seed 0, Aaren), so it stops sooner.
 EVAL_BATCH = {"wikipedia": 4}
+PATIENCE = {"wikipedia": 2}
 
 
 def get_config(dataset: str = "sin", backbone: str = "aaren", seed: int = 0) -> Config:
@@ -70,6 +74,7 @@ def get_config(dataset: str = "sin", backbone: str = "aaren", seed: int = 0) -> 
     cfg.data.dataset = dataset
     cfg.loop.seed = seed
     cfg.loop.eval_batch_size = EVAL_BATCH.get(dataset, cfg.loop.eval_batch_size)
+    cfg.loop.patience = PATIENCE.get(dataset, cfg.loop.patience)
     return cfg
 
 

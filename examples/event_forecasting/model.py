@@ -133,10 +133,16 @@ def temporal_encoding(t: Array, dim: int) -> Array:
     return jnp.where(even, jnp.sin(angle), jnp.cos(angle))
 
 
+class TimeStats(nnx.Variable):
+    """Fixed statistics of the training split: mean and std of log gaps, the time unit."""
+
+
 class EventModel(nnx.Module):
     """Maps event histories to the distribution of the next event (inter-event time and mark).
 
     Attributes:
+      time_stats: [3] mean and std of the training split's log gaps, and the time unit of
+        the temporal encoding (exp of that mean).
       mark_embed: M + 1 mark embeddings (index M: the start token).
       gap_embed: linear map of the standardised log inter-event time.
       backbone: the causal ``aaren_jax.Aaren`` or ``aaren_jax.Transformer`` stack.
@@ -159,11 +165,12 @@ class EventModel(nnx.Module):
         self.d_model = d
         self.num_components = cfg.num_components
         self.log_scale_range = (cfg.log_scale_min, cfg.log_scale_max)
-        # standardisation of log gaps (from the training split), and THP's time unit: the
-        # typical gap, so that the encoding's frequencies suit any dataset's unit
-        self.log_mean = float(log_mean)
-        self.log_std = float(log_std)
-        self.time_scale = float(math.exp(log_mean))
+        # standardisation of log gaps (from the training split) and THP's time unit (the
+        # typical gap, so that the encoding's frequencies suit any dataset's unit): state,
+        # not parameters, and not static either, so that datasets share compilations
+        self.time_stats = TimeStats(
+            jnp.asarray([log_mean, log_std, math.exp(log_mean)], jnp.float32)
+        )
         self.mark_embed = nnx.Embed(num_marks + 1, d, rngs=rngs)
         self.gap_embed = nnx.Linear(1, d, rngs=rngs)
         self.backbone = make_backbone(
@@ -192,7 +199,7 @@ class EventModel(nnx.Module):
         Returns:
           [..., d] tokens.
         """
-        enc = temporal_encoding(time / self.time_scale, self.d_model)
+        enc = temporal_encoding(time / self.time_stats[...][2], self.d_model)
         x = enc + self.mark_embed(mark) + self.gap_embed(gap[..., None])
         return self.dropout(x)
 
@@ -205,8 +212,8 @@ class EventModel(nnx.Module):
             logits=logits.astype(jnp.float32),
             loc=loc.astype(jnp.float32),
             log_scale=jnp.clip(raw, lo, hi).astype(jnp.float32),
-            shift=jnp.asarray(self.log_mean, jnp.float32),
-            scale=jnp.asarray(self.log_std, jnp.float32),
+            shift=self.time_stats[...][0],
+            scale=self.time_stats[...][1],
         )
         marks = self.mark_head(c).astype(jnp.float32) if self.mark_head is not None else None
         return NextEvent(dist, marks)
@@ -336,7 +343,8 @@ def stream_next(
     """
     time = event.time.astype(jnp.float32)
     gap = jnp.maximum(time - state.last_time, jnp.finfo(jnp.float32).tiny)
-    feat = (jnp.log(gap) - model.log_mean) / model.log_std
+    log_mean, log_std = model.time_stats[...][0], model.time_stats[...][1]
+    feat = (jnp.log(gap) - log_mean) / log_std
     feat = jnp.where(state.count == 0, 0.0, feat)
     x = model.embed(time - state.t_start, feat, event.mark.astype(jnp.int32))
     carry, h = model.backbone.step(state.carry, x)
