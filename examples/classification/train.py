@@ -122,7 +122,7 @@ def train_and_evaluate(
         "steps": result.step,
         "epochs": len(result.history),
         "params": int(n_params),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": result.prior_wall_s + time.perf_counter() - t0,  # resumed runs: all calls
     }
     logging.info("result %s", record)
     if run is not None:

@@ -74,6 +74,8 @@ class TrainResult(NamedTuple):
       params: the parameters after the last step (not the best ones).
       done: whether training is complete (early stop or the epoch cap), as opposed to
         stopped by ``max_steps`` and resumable.
+      prior_wall_s: seconds of the earlier calls this run resumed from (training and
+        validation, up to the checkpoint it resumed from); 0 for a fresh run.
     """
 
     model: nnx.Module
@@ -84,6 +86,7 @@ class TrainResult(NamedTuple):
     wall_s: float
     params: Any
     done: bool = False
+    prior_wall_s: float = 0.0
 
 
 def _reseed(rest, key: jax.Array):
@@ -249,6 +252,7 @@ def fit(
 
     # --- state and resumption -------------------------------------------------------------
     step, bad_epochs, done = 0, 0, False
+    prior_wall_s = 0.0
     best_metric = math.inf if mode == "min" else -math.inf
     best_params = jax.tree.map(jnp.copy, params)
     history: list[dict] = []
@@ -263,6 +267,7 @@ def fit(
         step, bad_epochs, done = meta["step"], meta["bad_epochs"], meta["done"]
         best_metric = meta["best_metric"] if meta["best_metric"] is not None else best_metric
         history = meta["history"]
+        prior_wall_s = meta.get("wall_s", 0.0)
         logging.info("%s: resumed from step %d (done=%s)", desc, step, done)
 
     def save():
@@ -274,6 +279,7 @@ def fit(
             "done": done,
             "best_metric": best_metric if math.isfinite(best_metric) else None,
             "history": history,
+            "wall_s": prior_wall_s + time.perf_counter() - t_start,
         }
         ckpt.save(
             step, {"params": params, "opt_state": opt_state, "best_params": best_params}, meta
@@ -363,4 +369,5 @@ def fit(
         wall_s=time.perf_counter() - t_start,
         params=params,
         done=done,
+        prior_wall_s=prior_wall_s,
     )

@@ -133,7 +133,7 @@ def train_and_evaluate(
         "steps": result.step,
         "epochs": len(result.history),
         "params": int(n_params),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": result.prior_wall_s + time.perf_counter() - t0,  # resumed runs: all calls
     }
     if dc.csv:
         record["csv"] = dc.csv
