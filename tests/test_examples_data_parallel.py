@@ -73,18 +73,15 @@ SCRIPT = textwrap.dedent(
         "max_update": maxdiff(p1, params),
     }
 
-    # 2. fit itself (AdamW, 3 steps, validation), on 1 device and on 4.
-    for name, parallel in (("one", False), ("four", True)):
-        loop = dataclasses.replace(
-            cfg.loop, max_steps=3, batch_size=8, eval_batch_size=8, data_parallel=parallel
-        )
-        optim = dataclasses.replace(cfg.optim, warmup_steps=0)
-        result = fit(
-            train.build_model(cfg, data), train.loss_fn, train.eval_fn, data.train, data.val,
-            monitor="mse", mode="min", loop=loop, optim=optim,
-        )
-        devices = {len(x.sharding.device_set) for x in jax.tree.leaves(result.params)}
-        out[name] = {"val": result.evaluate(data.val), "devices": sorted(devices)}
+    # 2. fit shards its state over the 4 devices (whole runs against one device: the loopback
+    # test below).
+    loop = dataclasses.replace(cfg.loop, max_steps=1, batch_size=8, eval_batch_size=8)
+    result = fit(
+        train.build_model(cfg, data), train.loss_fn, train.eval_fn, data.train, data.val,
+        monitor="mse", mode="min", loop=loop, optim=cfg.optim,
+    )
+    leaves = jax.tree.leaves(result.params)
+    out["fit_devices"] = sorted({len(x.sharding.device_set) for x in leaves})
     print("RESULT" + json.dumps(out))
     """
 )
@@ -112,9 +109,7 @@ def test_one_step_on_four_devices_equals_one_device():
     assert step["loss"][0] == pytest.approx(step["loss"][1], rel=1e-6)
     assert step["max_update"] > 1e-4  # the step moved the parameters ...
     assert step["max_param_diff"] < 1e-6  # ... identically, to float32 round-off
-    assert out["one"]["devices"] == [1] and out["four"]["devices"] == [4]
-    for k, v in out["one"]["val"].items():
-        assert out["four"]["val"][k] == pytest.approx(v, rel=1e-5), k
+    assert out["fit_devices"] == [4]
 
 
 def _free_port() -> int:
