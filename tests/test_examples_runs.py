@@ -118,6 +118,10 @@ def test_csv_trains_end_to_end_and_reruns_are_keyed_by_config(tmp_path, quiet_ma
     # The identical configuration returns the stored run: wall_s is not re-evaluation time.
     again = quiet_main([*args, "--workdir", str(workdir), "--lr", "0.01"])
     assert again == fresh
+    # An edited file under the same name is another run, not this one.
+    csv_path.write_text(csv_path.read_text().replace(",0.", ",1.", 3))
+    with pytest.raises(SystemExit, match=r"data.csv_sha256"):
+        quiet_main([*args, "--workdir", str(workdir), "--lr", "0.01"])
 
 
 def test_default_run_folder_per_configuration(tmp_path, monkeypatch, quiet_main):

@@ -23,6 +23,7 @@ from examples.classification import configs, data, train  # noqa: E402
 from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
 from examples.common.paths import ensure_importable, runs_root  # noqa: E402
 from examples.common.results import results_path  # noqa: E402
+from examples.common.runs import config_hash  # noqa: E402
 
 KEY = ("dataset", "model", "seed")
 
@@ -87,7 +88,8 @@ def main(argv=None) -> None:
             cache.clear()
             dc = cfg.data
             cache[ds] = data.load_dataset(ds, dc.data_root, dc.val_fraction, dc.split_seed)
-        workdir = Path(args.workdir_root) / f"{ds}_{model}_{seed}"
+        # one folder per configuration: a changed default never meets an old run
+        workdir = Path(args.workdir_root) / f"{ds}_{model}_{seed}-{config_hash(cfg)}"
         record = train.train_and_evaluate(cfg, str(workdir), data=cache[ds])
         append_record(args.results, record)
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)

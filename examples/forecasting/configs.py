@@ -35,6 +35,7 @@ class DataConfig:
     dataset: str = "ETTh1"  # a key of data.DATASETS, or the name of the run's CSV
     data_root: str | None = None  # folder with ETT/, weather/, illness/; None: ../shared/data
     csv: str | None = None  # any TSLib-format CSV (replaces the named dataset when set)
+    csv_sha256: str | None = None  # the CSV's content: an edited file is another run
     target: str = "OT"  # target column, moved last for the 70/10/20 split (as TSLib does)
     freq: str | None = None  # time-feature frequency (h, t, d, 15min, ...); None: inferred
     split: str = "auto"  # for a CSV: auto (ETT months if the name says ETTh/ETTm), custom, ...

@@ -87,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
         if not Path(args.csv).is_file():
             raise SystemExit(f"error: --csv {args.csv}: no such file")
         cfg.data.csv = str(Path(args.csv).resolve())
+        cfg.data.csv_sha256 = data.sha256_file(cfg.data.csv)
         cfg.data.split = args.split
     cfg.data.target = args.target
     cfg.data.freq = args.freq

@@ -6,8 +6,8 @@
 Records ``{"dataset", "horizon", "model", "seed", "mse", "mae", "wall_s", ...}`` are appended
 to ``--results`` (default ``workdirs/forecasting/results.json``, outside git; the committed
 table is ``--results results/forecasting.json``); runs already there are skipped, and an
-interrupted run resumes from its checkpoint in ``--workdir-root``. Every run uses the same
-default configuration.
+interrupted run resumes from its checkpoint in ``--workdir-root`` (a folder per run and
+configuration). Every run uses the same default configuration.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
 from examples.common.paths import ensure_importable, runs_root  # noqa: E402
 from examples.common.results import results_path  # noqa: E402
+from examples.common.runs import config_hash  # noqa: E402
 from examples.forecasting import configs, data, train  # noqa: E402
 
 KEY = ("dataset", "horizon", "model", "seed")
@@ -92,7 +93,8 @@ def main(argv=None) -> None:
         if key not in cache:
             cache.clear()  # keep one dataset in memory
             cache[key] = data.load_dataset(ds, cfg.data.seq_len, h, args.data_root)
-        workdir = Path(args.workdir_root) / f"{ds}_{h}_{model}_{seed}"
+        # one folder per configuration: a changed default never meets an old run
+        workdir = Path(args.workdir_root) / f"{ds}_{h}_{model}_{seed}-{config_hash(cfg)}"
         record = train.train_and_evaluate(cfg, str(workdir), data=cache[key])
         append_record(args.results, record)
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
