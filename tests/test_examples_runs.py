@@ -125,10 +125,21 @@ def test_csv_trains_end_to_end_and_reruns_are_keyed_by_config(tmp_path, quiet_ma
 
 
 def test_default_run_folder_per_configuration(tmp_path, monkeypatch, quiet_main):
+    from examples.common import loop
+
+    bars = []
+
+    class RecordingProgress(Progress):
+        def __init__(self, total, initial, desc, enabled=True, terminal=None):
+            bars.append((desc, initial, total))
+            super().__init__(total, initial, desc, enabled, terminal)
+
+    monkeypatch.setattr(loop, "Progress", RecordingProgress)
     monkeypatch.setenv("AAREN_RUNS_ROOT", str(tmp_path / "runs"))
     csv_path = write_tslib_csv(tmp_path / "series.csv")
     args = ["--csv", str(csv_path), *TINY]  # the configuration above: compiled already
     record = quiet_main([*args, "--max-steps", "1"])  # 1 of 2 steps: unfinished
+    assert bars == [("series-8-aaren epoch 1/1", 0, 1)]  # a bar per epoch, capped by max_steps
     (folder,) = (tmp_path / "runs" / "forecasting" / "runs").iterdir()
     assert folder.name.startswith("series_8_aaren_0-")
     summary = json.loads((folder / "result.json").read_text())
@@ -136,6 +147,7 @@ def test_default_run_folder_per_configuration(tmp_path, monkeypatch, quiet_main)
     assert (folder / "checkpoints").exists()  # unfinished: kept for resumption
     resumed = quiet_main(args)  # the same configuration carries on in the same folder
     assert resumed["steps"] == 2 and resumed["epochs"] == 1
+    assert bars[-1] == ("series-8-aaren epoch 1/1", 1, 2)  # resumed mid-epoch
     assert not (folder / "checkpoints").exists()  # finished now
     other = quiet_main([*args, "--seed", "1", "--keep-checkpoints"])  # another folder
     assert len(list((tmp_path / "runs" / "forecasting" / "runs").iterdir())) == 2
