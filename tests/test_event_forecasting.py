@@ -110,6 +110,17 @@ def test_meta_tpp_npz_layout(tmp_path):
     assert b["target_mask"][0].tolist()[:4] == [False, True, True, False]
     np.testing.assert_allclose(b["tau"][0, 1:3], [2.0, 0.5])
     assert b["surv_mask"][0, 3] and b["surv_tau"][0, 3] == pytest.approx(3.0)
+    # meta-tpp's split: the first 60 % / 20 % in file order
+    five = np.concatenate([times, times, times[:1]])
+    np.savez(
+        path,
+        times=five,
+        marks=np.concatenate([marks] * 2 + [marks[:1]]),
+        masks=np.concatenate([masks] * 2 + [masks[:1]]),
+    )
+    ds = data.load_meta_tpp(path, num_marks=3)
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (3, 1, 1)
+    assert ds.val.seqs[0].t_end == 1.5 and ds.test.seqs[0].t_end == 6.5 and ds.num_marks == 3
     np.savez(path, times=-times, marks=marks, masks=masks)
     with pytest.raises(data.EventDataError, match="toy.npz: sequence 0: negative"):
         data.read_meta_tpp_npz(path)

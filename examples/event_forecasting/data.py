@@ -332,6 +332,33 @@ def read_meta_tpp_npz(
     return validate(seqs, num_marks, str(path), names=names), num_marks
 
 
+def load_meta_tpp(
+    path: str | os.PathLike,
+    num_marks: int | None = None,
+    split_sizes: tuple[float, float] = (0.6, 0.2),
+    *,
+    max_train_events: int | None = None,
+) -> EventData:
+    """A meta-tpp npz with meta-tpp's split: the first train/val shares in file order.
+
+    ``split_sizes`` are fractions, or sequence counts when above 1 (meta-tpp's ``so_fold1``
+    uses ``(4777, 530)``), as in meta-tpp's ``TPPDataset._get_split_indices``.
+    """
+    seqs, num_marks = read_meta_tpp_npz(path, num_marks)
+    n = len(seqs)
+    tr, va = split_sizes
+    a = int(tr) if tr > 1 else int(n * tr)
+    b = a + (int(va) if va > 1 else int(n * va))
+    return make_data(
+        Path(path).stem,
+        seqs[:a],
+        seqs[a:b],
+        seqs[b:],
+        num_marks,
+        max_train_events=max_train_events,
+    )
+
+
 # --- download --------------------------------------------------------------------------------
 
 
