@@ -235,8 +235,9 @@ def _object_rows(array: np.ndarray) -> list[np.ndarray]:
 def read_ifl_npz(path: str | os.PathLike) -> tuple[list[EventSeq], int]:
     """Reads an ifl-tpp npz (Shchur et al. 2020): object arrays ``arrival_times``, ``marks``.
 
-    The window of each sequence starts at its first event (ifl-tpp's TF code gives the first
-    event a dummy inter-time), so the first event is context; no window end is stored.
+    The file stores neither a window start before the first event nor a window end (the first
+    times are offsets within the month of edits, not 0), so the window is taken to start at
+    the first event, which is context; no survival term.
 
     Args:
       path: the ``.npz`` file (read with ``allow_pickle=True``: it holds object arrays).
