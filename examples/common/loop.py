@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from examples.common.checkpoint import CheckpointIO
 from examples.common.optim import OptimConfig, make_optimizer
@@ -258,8 +259,10 @@ def fit(
     history: list[dict] = []
     ckpt = CheckpointIO(f"{workdir}/checkpoints") if (workdir and loop.checkpoint) else None
     if ckpt is not None and ckpt.latest_step() is not None:
+        # restored straight onto the devices of the mesh (several processes need that)
+        sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             {"params": params, "opt_state": opt_state, "best_params": best_params},
         )
         state, meta = ckpt.restore(abstract)
