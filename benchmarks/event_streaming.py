@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     cfg = configs.get_config("hawkes").model
     out = {
         "benchmark": "event_streaming",
-        "command": "python benchmarks/event_streaming.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python", "benchmarks/event_streaming.py", *sys.argv[1:]]),
         "model": {
             "layers": cfg.num_layers,
             "d_model": cfg.d_model,
