@@ -26,7 +26,7 @@ import numpy as np
 
 import aaren_jax as aj
 
-METHODS = ("auto", "associative", "sequential", "chunked")
+METHODS = ("auto", "blocked", "associative", "sequential", "chunked")
 
 
 def _compile(fn, *args):

@@ -6,15 +6,15 @@ import jax
 from flax import nnx
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, x, mask, carry):
-    return nnx.merge(graphdef, state)(x, mask, carry=carry, return_carry=True)
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _forward(graphdef, state, x, mask, carry, max_len):
+    return nnx.merge(graphdef, state)(x, mask, carry=carry, return_carry=True, max_len=max_len)
 
 
-def forward(model, x, mask=None, carry=None):
-    """``model(x, mask, carry=carry, return_carry=True)`` under ``jax.jit``."""
+def forward(model, x, mask=None, carry=None, max_len=None):
+    """``model(x, mask, carry=carry, return_carry=True, max_len=max_len)`` under ``jax.jit``."""
     graphdef, state = nnx.split(model)
-    return _forward(graphdef, state, x, mask, carry)
+    return _forward(graphdef, state, x, mask, carry, max_len)
 
 
 def count_params(module) -> int:

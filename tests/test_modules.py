@@ -98,7 +98,7 @@ def test_parallel_equals_step_loop(kind, num_layers, dtype):
     model = get_model(kind, num_layers, dtype)
     step_fn, state = get_step_fn(kind, num_layers, dtype)
     x = inputs(1, dtype=dtype)
-    y, carry = forward(model, x)
+    y, carry = forward(model, x, max_len=T)
     assert y.dtype == jnp.dtype(dtype)
     chex.assert_tree_all_finite(y)
 
@@ -115,7 +115,7 @@ def test_parallel_equals_step_loop(kind, num_layers, dtype):
 def test_prefill_then_stream_equals_full_pass(kind, num_layers, dtype):
     model = get_model(kind, num_layers, dtype)
     x = inputs(2, dtype=dtype)
-    y_full, carry_full = forward(model, x)
+    y_full, carry_full = forward(model, x, max_len=T)
     # Prefill continuing a carry (a KV cache bigger than the prefill), then stream.
     carry = model.init_carry(B, max_len=T)
     y_a, carry = forward(model, x[:, :4], carry=carry)
@@ -167,7 +167,7 @@ def test_post_norm_without_final_norm(kind):
     model = cls(2, D_MODEL, HEADS, D_FF, norm="post", final_norm=False, rngs=nnx.Rngs(7))
     assert model.final_norm is None
     x = inputs(7)
-    y, carry = forward(model, x)
+    y, carry = forward(model, x, max_len=T)
     carry_s, ys = aj.stream(model, model.init_carry(B, max_len=T), x)
     assert_close(ys, y)
     assert_carries_close(carry_s, carry)
@@ -258,12 +258,20 @@ def test_kv_cache_past_capacity_raises():
         model.init_carry(B)
 
 
-def test_prefill_without_carry_gives_exact_cache():
+def test_prefill_without_carry_leaves_room_to_step():
     model = get_model("transformer", 1)
-    _, carry = forward(model, inputs(12, (B, 5, D_MODEL)))
+    x = inputs(12, (B, 6, D_MODEL))
+    y_full, _ = forward(model, x)
+    _, carry = forward(model, x[:, :5])  # no carry: a cache of capacity 2 T = 10
     cache = carry.layers[0]
-    assert cache.capacity == 5 and int(cache.length) == 5
-    assert cache.k.shape == (B, HEADS, 5, D_MODEL // HEADS)  # [B, H, C, D]: no transpose
+    assert cache.capacity == 10 and int(cache.length) == 5
+    assert cache.k.shape == (B, HEADS, 10, D_MODEL // HEADS)  # [B, H, C, D]: no transpose
+    carry, y_t = model.step(carry, x[:, 5])
+    assert_close(y_t, y_full[:, 5])
+    _, carry = forward(model, x[:, :5], max_len=5)  # the room is an argument
+    assert carry.layers[0].capacity == 5
+    with pytest.raises(ValueError, match="max_len=4 cannot hold the T = 5 tokens"):
+        forward(model, x[:, :5], max_len=4)
 
 
 # ----------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ def _heads(x, num_heads):
 
 
 def _reference(layer, x, mask, learned_query):
-    x = np.asarray(x, np.float64)
+    # A masked token's content is ignored (garbage there never leaks): the layer sees 0.
+    x = np.where(mask[..., None], np.asarray(x, np.float64), 0.0)
     batch, length, width = x.shape
     num_heads = layer.num_heads
     head_dim = width // num_heads
@@ -68,9 +69,15 @@ def test_attention_layers_match_float64_equations(learned_query):
     np.testing.assert_allclose(np.asarray(got)[valid], expected[valid], atol=2e-5, rtol=1e-4)
 
 
-def _rem_reference(rsa, length):
-    """Masked REMs of counts (3, 1, 1, 0, 0, 0) from the closed forms. [H, T, T]"""
-    lag = np.arange(length)[:, None] - np.arange(length)[None, :]
+def _rem_reference(rsa, mask):
+    """Masked REMs of counts (3, 1, 1, 0, 0, 0) from the closed forms. [B, H, T, T]
+
+    Lags count present tokens only: a padding token is absent from the recurrence (SPEC
+    1.6), and its own row and column are 0.
+    """
+    rank = np.cumsum(mask, axis=-1) - 1
+    lag = rank[:, :, None] - rank[:, None, :]
+    lag = np.where(mask[:, :, None] & mask[:, None, :], lag, 0)
     j = np.where(lag > 0, lag, 0).astype(np.float64)
     lam = np.tanh(np.asarray(rsa.eta[...], np.float64))
     gamma = 1 / (1 + np.exp(-np.asarray(rsa.nu[...], np.float64)))
@@ -78,12 +85,12 @@ def _rem_reference(rsa, length):
     mats = [lam[h] ** j for h in range(3)]
     mats.append(gamma[0] ** j * np.cos(j * theta[0]))
     mats.append(gamma[1] ** j * np.sin(j * theta[1]))
-    return np.stack(mats) * (lag > 0)
+    return np.stack(mats, axis=1) * (lag > 0)[:, None]
 
 
 def test_rsa_transformer_matches_float64_equations():
     """RSA eq. (4) per head: [(1 - sigmoid(mu)) softmax(QK^T / sqrt(D) + M) + sigmoid(mu) P] V,
-    with P the masked REM over the valid tokens' slots (padded keys' columns zeroed)."""
+    with P the masked REM over the present tokens (a padding token is absent from the lags)."""
     layer = aj.CausalSelfAttention(20, 5, rsa=aj.REMConfig((3, 1, 1, 0, 0, 0)), rngs=nnx.Rngs(1))
     layer.rsa.mu[...] = 0.3  # a gate away from its initial value
     rng = np.random.default_rng(1)
@@ -93,12 +100,12 @@ def test_rsa_transformer_matches_float64_equations():
     mask[2] = rng.random(8) > 0.3
     got = np.asarray(jax.jit(lambda x, m: layer(x, mask=m))(x, mask))
 
-    x64 = np.asarray(x, np.float64)
+    x64 = np.where(mask[..., None], np.asarray(x, np.float64), 0.0)
     q, k, v = (_heads(_linear(p, x64), 5) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
     allowed = np.tril(np.ones((8, 8), bool))[None, None] & mask[:, None, None, :]
     probs = _softmax_rows(q @ k.transpose(0, 1, 3, 2) / np.sqrt(4), allowed)
     gate = 1 / (1 + np.exp(-0.3))
-    rem = _rem_reference(layer.rsa, 8)[None] * mask[:, None, None, :]
+    rem = _rem_reference(layer.rsa, mask)
     out = ((1 - gate) * probs + gate * rem) @ v
     expected = _linear(layer.o_proj, out.transpose(0, 2, 1, 3).reshape(3, 8, 20))
     valid = mask.cumsum(-1) > 0

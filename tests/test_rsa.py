@@ -79,7 +79,7 @@ def test_parallel_equals_step_loop(kind, masked):
     model = get_model(kind)
     x = inputs(0)
     mask = jnp.asarray(LEFT_PAD) if masked else None
-    y, carry = forward(model, x, mask)  # Transformer: a cache of exactly T slots
+    y, carry = forward(model, x, mask, max_len=T)  # Transformer: a cache of exactly T slots
     ys, carry_s = step_loop(model, model.init_carry(B, max_len=T), x, mask)
     assert_close(ys, y)
     assert type(carry_s) is type(carry)

@@ -9,10 +9,11 @@ from aaren_jax.attention import (
     KVCache,
     RecurrenceEncoding,
     RSAState,
+    SequenceModule,
 )
-from aaren_jax.blocks import AarenBlock, TransformerBlock
+from aaren_jax.blocks import AarenBlock, Block, Mixer, TransformerBlock
 from aaren_jax.deploy import LoadedStep, export_step, load_step, make_step_fn, stream
-from aaren_jax.models import Aaren, AarenCarry, Transformer, TransformerCarry
+from aaren_jax.models import Aaren, AarenCarry, Stack, Transformer, TransformerCarry
 from aaren_jax.rem import (
     REMConfig,
     REMState,
@@ -40,6 +41,10 @@ __all__ = [
     "AarenAttention",
     "AarenBlock",
     "AarenCarry",
+    "Block",
+    "Mixer",
+    "SequenceModule",
+    "Stack",
     "CausalSelfAttention",
     "KVCache",
     "LoadedStep",

@@ -7,14 +7,26 @@ Both layers share one interface (SPEC 2.2), at the level of a single layer:
     y, carry = layer(x, mask=None, carry=carry, return_carry=True)
     carry, y_t = layer.step(carry, x_t, mask_t=None)        # x_t [B, d] -> y_t [B, d]
 
-``AarenAttention``'s carry is an ``AttentionState`` of constant size (SPEC 1.1, 1.4);
-``CausalSelfAttention``'s carry is a ``KVCache`` of fixed capacity that grows in use.
+and one computation: ``step`` is the sequence computation on a sequence of one token (the
+pure core takes a static fast path for it), so the parallel pass and the stream cannot
+drift apart. ``AarenAttention``'s carry is a compensated ``AttentionState`` of constant
+size (SPEC 1.1, 1.4); ``CausalSelfAttention``'s is a ``KVCache`` of fixed capacity.
+
+RSA (SPEC 1.6) is a sub-module, ``RecurrenceEncoding``, with its own carry (``REMState``):
+either layer mixes its REM term, computed by the same recurrence (``rem_apply``), into its
+heads, so the two models' REMs mean the same thing. The layer's carry is then an
+``RSAState`` of its own carry and the REM state.
+
+Bad data: a masked token's input is zeroed on entry, so whatever it holds (NaN, inf)
+reaches no valid output and no gradient; a NaN at an attended token reaches every output
+that attends to it. A KV cache written past its capacity raises when the position is known
+(eager) and gives NaN outputs under a trace (``jit``, ``scan``), never a plausible number.
 
 No positional encoding lives here: both layers are permutation-equivariant over the past,
 so users add their own embedding. Masks are boolean, True = valid token.
 
 Shape notation: ``B`` batch, ``T`` time, ``H`` heads, ``D`` head size, ``d`` model width,
-``C`` KV cache capacity.
+``C`` KV cache capacity, ``S`` keys.
 """
 
 from __future__ import annotations
@@ -33,9 +45,16 @@ from aaren_jax.rem import (
     init_rem_state,
     rem_apply,
     rem_matrices,
-    rem_step,
 )
-from aaren_jax.scan import AttentionState, attention_step, init_state, prefix_attention
+from aaren_jax.scan import (
+    METHODS,
+    AttentionState,
+    accumulation_dtype,
+    as_shape,
+    check_chunk_size,
+    init_state,
+    prefix_attention,
+)
 
 Array = jax.Array
 
@@ -49,7 +68,8 @@ _DEFAULT_QUERY_INIT = nnx.initializers.normal(stddev=1.0)
 # Validation shared by every module (blocks and models import these).
 
 
-def _check_heads(d_model: int, num_heads: int) -> int:
+def check_heads(d_model: int, num_heads: int) -> int:
+    """The head size ``D = d / H``; ValueError unless both are positive and ``H`` divides ``d``."""
     if d_model < 1 or num_heads < 1:
         raise ValueError(f"d_model and num_heads must be positive, got {d_model}, {num_heads}")
     if d_model % num_heads:
@@ -97,6 +117,13 @@ def check_inputs(x, mask, d_model: int, *, name: str = "x", ndim: int = 3):
     return x, mask
 
 
+def zero_masked(x: Array, mask: Array | None) -> Array:
+    """``x`` with masked tokens set to 0: their content, NaN included, reaches nothing. [B, T, d]"""
+    if mask is None:
+        return x
+    return jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+
+
 def _concrete_int(x) -> int | None:
     """``int(x)`` when ``x`` is a concrete value; None inside a trace (jit, scan)."""
     if isinstance(x, jax.core.Tracer):
@@ -104,9 +131,12 @@ def _concrete_int(x) -> int | None:
     return int(x)
 
 
-def _state_dtype(dtype, param_dtype) -> jnp.dtype:
-    # SPEC 1.2: scan state in float32 whatever the compute dtype (float64 stays float64).
-    return jnp.promote_types(dtype if dtype is not None else param_dtype, jnp.float32)
+def check_batch_size(batch_size) -> int:
+    """``batch_size`` as an int >= 1; TypeError / ValueError naming it otherwise."""
+    (batch,) = as_shape("init_carry: batch_size", (batch_size,))
+    if batch < 1:
+        raise ValueError(f"init_carry: batch_size must be >= 1, got {batch_size!r}")
+    return batch
 
 
 # ----------------------------------------------------------------------------------------
@@ -114,30 +144,32 @@ def _state_dtype(dtype, param_dtype) -> jnp.dtype:
 
 
 class RSAState(NamedTuple):
-    """The carry of an RSA-Aaren attention layer: Aaren's scan state and the REM state.
-
-    Both have constant size (the REM ring has ``p`` slots per head for dilation ``p``).
+    """The carry of an RSA attention layer: the layer's own carry and the REM state.
 
     Attributes:
-      attention: Aaren's prefix-attention state. m, u [B, H]; w [B, H, D]
-      rem: the REM recurrences' state. ring [B, H, P, 2, D]; phase [B]
+      attention: the attention's carry: an ``AttentionState`` (Aaren: m, u [B, H]; w
+        [B, H, D]) or a ``KVCache`` (Transformer).
+      rem: the REM recurrences' state, constant in size. ring [B, H, P, 2, D]; phase [B]
     """
 
-    attention: AttentionState
+    attention: AttentionState | KVCache
     rem: REMState
 
 
 class RecurrenceEncoding(nnx.Module):
-    """The RSA parameters of one attention layer: a gate and one REM per head (eq. (4)).
+    """The RSA part of one attention layer: a gate and one REM per head (eq. (4)).
 
-    ``sigmoid(mu)`` weighs the REMs against the attention: per head
-    ``[(1 - sigmoid(mu)) A + sigmoid(mu) P] V`` with ``A`` the layer's attention weights and
-    ``P`` the head's masked REM. ``mu`` is one scalar per layer; ``eta`` (regular heads) and
-    ``nu``, ``theta`` (cyclical heads) one per head, laid out by ``REMConfig`` (the paper's
-    counts ``k1..k6`` and dilations). Initialisation as in the paper (Section 3): ``mu =
-    config.mu_init``, ``eta`` spread over [-2, -1] U [1, 2], ``nu`` over [1, 2], ``theta =
-    pi / 4`` (``aaren_jax.init_rem_params``). Overhead per layer: ``1 + (k1 + k4) +
-    2 (k2 + k3 + k5 + k6)`` parameters.
+    Per head the layer outputs ``(1 - sigmoid(mu)) attention + sigmoid(mu) P V`` with ``P``
+    the head's masked REM. ``P V`` is computed as a linear recurrence (``rem_apply``: in
+    parallel over a sequence, a single ``rem_step`` for one token) with no truncation at
+    ``K``; a masked token is absent (it does not advance the lags). This is the same for
+    ``AarenAttention`` and ``CausalSelfAttention``. The matrix form (``matrices``,
+    truncated at ``K``) equals it while ``T - 1 <= p K`` (see ``aaren_jax.rem``).
+
+    ``mu`` is one scalar per layer; ``eta`` (regular heads) and ``nu``, ``theta`` (cyclical
+    heads) one per head, laid out by ``REMConfig``. Initialisation as in the paper (Section
+    3): ``mu = config.mu_init``, ``eta`` spread over [-2, -1] U [1, 2], ``nu`` over [1, 2],
+    ``theta = pi / 4``. Overhead per layer: ``1 + (k1 + k4) + 2 (k2 + k3 + k5 + k6)``.
 
     Attributes:
       config: the ``REMConfig`` (static).
@@ -181,7 +213,7 @@ class RecurrenceEncoding(nnx.Module):
     def gate(self, dtype=None) -> Array:
         """``sigmoid(mu)`` in ``dtype`` (default: float32, or float64 for float64 ``mu``). []"""
         mu = self.mu[...]
-        return jax.nn.sigmoid(mu.astype(dtype or jnp.promote_types(mu.dtype, jnp.float32)))
+        return jax.nn.sigmoid(mu.astype(dtype or accumulation_dtype(mu.dtype)))
 
     def params(self) -> dict[str, Array]:
         """``{"eta", "nu", "theta"}`` for the functions of ``aaren_jax.rem``."""
@@ -193,63 +225,191 @@ class RecurrenceEncoding(nnx.Module):
             self.config, self.params(), q_len, k_len, q_offset=q_offset, dtype=dtype
         )
 
+    def init_carry(self, batch_size: int, dim: int, dtype) -> REMState:
+        """The empty REM state. ring [B, H, P, 2, D]; phase [B]"""
+        return init_rem_state(self.config, (batch_size,), dim, dtype)
 
-def _rsa_attention(
-    q: Array, k: Array, v: Array, mask: Array, key_valid: Array, rem: Array, gate: Array
-) -> Array:
-    """RSA heads, eq. (4): ``(1 - g) softmax(q k^T + mask) v + g P v``.
+    def __call__(
+        self, attended: Array, values: Array, mask: Array | None, carry: REMState
+    ) -> tuple[Array, REMState]:
+        """Mixes ``P V`` into the attention output, eq. (4).
 
-    The softmax runs in float32 (float64 for float64 inputs); masked keys are excluded from
-    the softmax and padded keys' values are zeroed for the REM product, so padding never
-    leaks and gets exactly zero gradient. A row with no valid key gives exactly 0 (its
-    softmax part is zeroed, its REM row meets only zeroed values).
+        Args:
+          attended: the heads' attention outputs. [B, H, T, D]
+          values: the heads' values. [B, H, T, D]
+          mask: True = token present; absent tokens do not advance the lags. [B, T]
+          carry: the REM state before these tokens.
 
-    Args:
-      q: queries, pre-scaled. [B, H, Tq, D]
-      k: keys. [B, H, S, D]
-      v: values. [B, H, S, D]
-      mask: True where query t may attend key s. [B, 1, Tq, S]
-      key_valid: True for keys that hold a token (not padding). [B, S]
-      rem: the heads' masked REMs for these queries and keys (zero at lags <= 0). [H, Tq, S]
-      gate: ``sigmoid(mu)``. []
+        Returns:
+          ``((1 - g) attended + g P V, carry)`` in ``attended``'s dtype, ``g = sigmoid(mu)``.
+        """
+        recurrent, carry = rem_apply(self.config, self.params(), values, mask, initial_state=carry)
+        acc = accumulation_dtype(attended.dtype)
+        g = self.gate(acc)
+        mixed = (1 - g) * attended.astype(acc) + g * recurrent.astype(acc)
+        return mixed.astype(attended.dtype), carry
 
-    Returns:
-      Outputs in ``v``'s dtype. [B, H, Tq, D]
+
+# ----------------------------------------------------------------------------------------
+# The interface of SPEC 2.2, from one computation
+
+
+class SequenceModule(nnx.Module):
+    """``__call__`` and ``step`` of SPEC 2.2, both from one method, ``forward``.
+
+    A subclass defines ``d_model``, ``init_carry(batch_size, max_len=None)`` and
+    ``forward(x, mask, carry, max_len) -> (y, carry)`` on validated inputs, ``carry`` None
+    meaning empty. ``step`` is ``forward`` on a sequence of one token.
     """
-    acc = jnp.promote_types(v.dtype, jnp.float32)
-    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc)
-    # A finite floor rather than -inf: exp gives exactly 0 for masked keys in any row with a
-    # valid key, and jax.nn.softmax (one fused pass and a cheap VJP) needs no NaN guard.
-    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(acc).min), axis=-1)
-    # A row with no valid key came out uniform over masked keys: make it 0.
-    probs = jnp.where(jnp.any(mask, axis=-1, keepdims=True), probs, jnp.zeros((), acc))
-    attended = jnp.einsum("bhts,bhsd->bhtd", probs.astype(v.dtype), v, preferred_element_type=acc)
-    v_valid = jnp.where(key_valid[:, None, :, None], v, jnp.zeros((), v.dtype))
-    recurrent = jnp.einsum(
-        "hts,bhsd->bhtd", rem.astype(v.dtype), v_valid, preferred_element_type=acc
-    )
-    gate = gate.astype(acc)
-    return ((1 - gate) * attended + gate * recurrent).astype(v.dtype)
+
+    def __call__(
+        self,
+        x: Array,
+        mask: Array | None = None,
+        carry=None,
+        return_carry: bool = False,
+        max_len: int | None = None,
+    ):
+        """Runs the whole sequence at once, optionally continuing or returning a carry.
+
+        Args:
+          x: inputs. [B, T, d]
+          mask: True = valid token; a masked token's content never reaches a valid output.
+            [B, T]
+          carry: the carry of earlier tokens (a prefill continues it), or None for empty.
+          return_carry: also return the carry after the last token.
+          max_len: with ``carry=None``, the KV cache capacity of the returned carry
+            (Transformer; default ``2 T``); ignored by Aaren.
+
+        Returns:
+          ``y`` [B, T, d], or ``(y, carry)`` when ``return_carry``.
+        """
+        x, mask = check_inputs(x, mask, self.d_model)
+        y, carry = self.forward(x, mask, carry, max_len)
+        return (y, carry) if return_carry else y
+
+    def step(self, carry, x_t: Array, mask_t: Array | None = None):
+        """Advances by one token: ``__call__`` on a sequence of length 1.
+
+        Args:
+          carry: the carry so far (from ``init_carry`` or a prefill).
+          x_t: this token. [B, d]
+          mask_t: True = valid; a masked token changes no state. [B]
+
+        Returns:
+          ``(carry, y_t)`` with ``y_t`` [B, d].
+        """
+        x_t, mask_t = check_inputs(x_t, mask_t, self.d_model, name="x_t", ndim=2)
+        if carry is None:
+            raise TypeError("step needs a carry: pass init_carry(...) or a prefill's carry")
+        y, carry = self.forward(x_t[:, None], None if mask_t is None else mask_t[:, None], carry)
+        return carry, y[:, 0]
+
+
+# ----------------------------------------------------------------------------------------
+# What both layers share: projections, RSA, the sequence computation and its one-token step
+
+
+class _Attention(SequenceModule):
+    """Four projections, optional RSA; subclasses supply ``_mix`` and ``_init_own_carry``."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        dtype,
+        param_dtype,
+        kernel_init,
+        rsa: REMConfig | None,
+        rngs: nnx.Rngs,
+    ):
+        self.head_dim = check_heads(d_model, num_heads)
+        self.d_model, self.num_heads = d_model, num_heads
+        self.dtype, self.param_dtype = dtype, param_dtype
+
+        def linear():
+            return nnx.Linear(
+                d_model,
+                d_model,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=kernel_init,
+                rngs=rngs,
+            )
+
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
+        self.rsa = (
+            None if rsa is None else RecurrenceEncoding(rsa, num_heads, param_dtype=param_dtype)
+        )
+
+    @property
+    def state_dtype(self) -> jnp.dtype:
+        """float32 whatever the compute dtype (float64 stays float64): SPEC 1.2."""
+        return accumulation_dtype(self.dtype if self.dtype is not None else self.param_dtype)
+
+    def init_carry(self, batch_size: int, max_len: int | None = None):
+        """The empty carry (see the subclass); with RSA an ``RSAState`` with an empty REM."""
+        batch = check_batch_size(batch_size)
+        own = self._init_own_carry(batch, max_len)
+        if self.rsa is None:
+            return own
+        return RSAState(own, self.rsa.init_carry(batch, self.head_dim, self.state_dtype))
+
+    def _heads(self, y: Array) -> Array:
+        """[B, T, d] -> [B, H, T, D]."""
+        batch, length, _ = y.shape
+        return jnp.swapaxes(y.reshape(batch, length, self.num_heads, self.head_dim), 1, 2)
+
+    def forward(self, x: Array, mask: Array | None, carry, max_len: int | None = None):
+        """The one computation, on validated inputs: ``(y [B, T, d], carry)``."""
+        batch, length, _ = x.shape
+        x = zero_masked(x, mask)
+        if carry is None:
+            own, rem = None, None
+            if self.rsa is not None:
+                rem = self.rsa.init_carry(batch, self.head_dim, self.state_dtype)
+        else:
+            own, rem = self._split_carry(carry, batch)
+        values = self._heads(self.v_proj(x))
+        out, own = self._mix(x, values, mask, own, max_len)  # [B, H, T, D]
+        if self.rsa is not None:
+            out, rem = self.rsa(out, values, mask, rem)
+            own = RSAState(own, rem)
+        y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
+        return y, own
+
+    def _split_carry(self, carry, batch: int):
+        """``(own carry, REM state or None)``, checked against this layer."""
+        if self.rsa is None:
+            own, rem = carry, None
+        elif isinstance(carry, RSAState):
+            own, rem = carry
+        else:
+            raise TypeError(
+                f"an RSA layer's carry is an RSAState (from init_carry), got {type(carry).__name__}"
+            )
+        self._check_own_carry(own, batch)
+        return own, rem
 
 
 # ----------------------------------------------------------------------------------------
 # Aaren
 
 
-class AarenAttention(nnx.Module):
+class AarenAttention(_Attention):
     """Multi-head attention of a learned query over every prefix: an RNN (SPEC 1.4).
 
     ``q = W_q q0 + b_q`` with a learned ``q0 in R^d`` and the same ``W_q`` a Transformer has;
     ``K = x W_k + b_k``, ``V = x W_v + b_v``, split into ``H`` heads of size ``D = d / H``;
     per head ``o_t = prefix_attention(<q_h, k_h,i> / sqrt(D), v_h,i)[t]``; ``y = O W_o + b_o``.
     The scan state is float32 whatever ``dtype`` is; outputs come back in the compute dtype.
+    The carry is a compensated ``AttentionState`` (``init_state(..., compensated=True)``),
+    so a stream of millions of tokens stays at float32 round-off.
 
     RSA-Aaren (``rsa=REMConfig(...)``, SPEC 1.6): per head
-    ``o_t = (1 - sigmoid(mu)) aaren_t + sigmoid(mu) rem_t`` with ``rem_t = (P V)_t`` computed
-    as a linear recurrence (``aaren_jax.rem_apply`` in parallel, ``rem_step`` streaming, no
-    truncation at ``K``), so streaming stays O(1) in memory (O(p) for dilation ``p``); the
-    carry is then an ``RSAState``. A padding token is skipped by the REM recurrence (it does
-    not advance the lags) and its REM output is 0.
+    ``o_t = (1 - sigmoid(mu)) aaren_t + sigmoid(mu) rem_t`` (``RecurrenceEncoding``), so
+    streaming stays O(1) in memory (O(p) for dilation ``p``); the carry is an ``RSAState``.
 
     Attributes:
       q0: the learned query. [d]
@@ -290,115 +450,62 @@ class AarenAttention(nnx.Module):
           num_heads: number of heads ``H``; must divide ``d``.
           dtype: compute dtype of the projections (None: from inputs and params).
           param_dtype: dtype of the parameters.
-          method: ``prefix_attention`` method for the parallel pass.
+          method: ``prefix_attention`` method for the parallel pass (one of ``METHODS``).
           chunk_size: ``prefix_attention`` chunk size.
           kernel_init: initialiser of the four projection kernels.
           query_init: initialiser of ``q0``; unit normal so that ``W_q q0`` has unit-scale
             entries under LeCun-normal ``W_q``, like a Transformer's queries.
           rsa: a ``REMConfig`` to gate REMs into the heads (RSA-Aaren), or None (plain).
           rngs: parameter RNGs.
+
+        Raises:
+          ValueError: an unknown ``method``, a bad ``chunk_size`` or head count.
         """
-        self.head_dim = _check_heads(d_model, num_heads)
-        self.d_model, self.num_heads = d_model, num_heads
-        self.dtype, self.param_dtype = dtype, param_dtype
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        check_chunk_size(chunk_size)
+        super().__init__(
+            d_model,
+            num_heads,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            rsa=rsa,
+            rngs=rngs,
+        )
         self.method, self.chunk_size = method, chunk_size
         self.q0 = nnx.Param(query_init(rngs.params(), (d_model,), param_dtype))
 
-        def linear():
-            return nnx.Linear(
-                d_model,
-                d_model,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                kernel_init=kernel_init,
-                rngs=rngs,
+    def _init_own_carry(self, batch: int, max_len: int | None) -> AttentionState:
+        """Aaren's state: m, u [B, H]; w [B, H, D] and their compensation. No capacity."""
+        del max_len
+        shape = (batch, self.num_heads)
+        return init_state(shape, self.head_dim, self.state_dtype, compensated=True)
+
+    def _check_own_carry(self, carry, batch: int) -> None:
+        if not isinstance(carry, AttentionState):
+            raise TypeError(
+                f"carry must be an AttentionState (from init_carry), got {type(carry).__name__}"
+            )
+        want = (batch, self.num_heads, self.head_dim)
+        if tuple(carry.w.shape) != want:
+            raise ValueError(
+                f"carry.w has shape {tuple(carry.w.shape)}, this layer needs [B, H, D] = {want}"
             )
 
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
-        self.rsa = (
-            None if rsa is None else RecurrenceEncoding(rsa, num_heads, param_dtype=param_dtype)
-        )
-
-    def _query(self) -> Array:
-        """The per-head query, pre-scaled by ``1/sqrt(D)``, in the state dtype. [H, D]"""
-        acc = _state_dtype(self.dtype, self.param_dtype)
+    def _mix(self, x: Array, values: Array, mask: Array | None, carry, max_len):
+        del max_len
+        if carry is None:
+            carry = self._init_own_carry(x.shape[0], None)
+        acc = self.state_dtype
         q = self.q_proj(self.q0[...]).astype(acc)
         # Scaling the H*D query once is cheaper than scaling B*H*T scores.
-        return q.reshape(self.num_heads, self.head_dim) / math.sqrt(self.head_dim)
-
-    def init_carry(self, batch_size: int, max_len: int | None = None) -> AttentionState | RSAState:
-        """The empty state: attention over no token.
-
-        Args:
-          batch_size: ``B``.
-          max_len: ignored (an Aaren carry has no capacity); accepted for one interface.
-
-        Returns:
-          ``AttentionState`` with m, u [B, H] and w [B, H, D] in float32; with RSA an
-          ``RSAState`` of it and an empty ``REMState`` (ring [B, H, P, 2, D], phase [B]).
-        """
-        del max_len
-        dtype = _state_dtype(self.dtype, self.param_dtype)
-        state = init_state((int(batch_size), self.num_heads), self.head_dim, dtype)
-        if self.rsa is None:
-            return state
-        rem = init_rem_state(self.rsa.config, (int(batch_size),), self.head_dim, dtype)
-        return RSAState(state, rem)
-
-    def _split_carry(self, carry):
-        """``(attention state, REM state)`` of a carry (either may be None)."""
-        if self.rsa is None:
-            return carry, None
-        if carry is None:
-            return None, None
-        if not isinstance(carry, RSAState):
-            raise TypeError(
-                f"an RSA-Aaren layer's carry is an RSAState (from init_carry), got "
-                f"{type(carry).__name__}"
-            )
-        return carry.attention, carry.rem
-
-    def _gate_mix(self, aaren_out: Array, rem_out: Array) -> Array:
-        """``(1 - sigmoid(mu)) aaren + sigmoid(mu) rem`` in the state dtype, cast back."""
-        acc = jnp.promote_types(aaren_out.dtype, jnp.float32)
-        g = self.rsa.gate(acc)
-        mixed = (1 - g) * aaren_out.astype(acc) + g * rem_out.astype(acc)
-        return mixed.astype(aaren_out.dtype)
-
-    def __call__(
-        self,
-        x: Array,
-        mask: Array | None = None,
-        carry: AttentionState | None = None,
-        return_carry: bool = False,
-    ):
-        """Runs the whole sequence in parallel (a prefix scan per head).
-
-        Args:
-          x: inputs. [B, T, d]
-          mask: True = valid token; masked tokens are the scan's identity. [B, T]
-          carry: state of earlier tokens (prefill continues it), or None for empty.
-            m, u [B, H]; w [B, H, D] (an ``RSAState`` with RSA)
-          return_carry: also return the state after the last token.
-
-        Returns:
-          ``y`` [B, T, d], or ``(y, carry)`` when ``return_carry``.
-        """
-        x, mask = check_inputs(x, mask, self.d_model)
-        carry, rem_carry = self._split_carry(carry)
-        batch, length, _ = x.shape
-        heads, head_dim = self.num_heads, self.head_dim
-        q = self._query()
-        k = self.k_proj(x).reshape(batch, length, heads, head_dim)
-        v = self.v_proj(x).reshape(batch, length, heads, head_dim)
+        q = q.reshape(self.num_heads, self.head_dim) / math.sqrt(self.head_dim)
+        keys = self.k_proj(x).reshape(*x.shape[:2], self.num_heads, self.head_dim)
         # sum(k * q) rather than einsum: faster on CPU at long T (MEASUREMENTS pitfall 5).
-        scores = jnp.sum(k.astype(q.dtype) * q[None, None], axis=-1)  # [B, T, H]
-        scores = jnp.swapaxes(scores, 1, 2)  # [B, H, T]
-        values = jnp.swapaxes(v, 1, 2)  # [B, H, T, D]
-        head_mask = None
-        if mask is not None:
-            head_mask = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-        out, state = prefix_attention(
+        scores = jnp.swapaxes(jnp.sum(keys.astype(acc) * q[None, None], axis=-1), 1, 2)  # [B, H, T]
+        head_mask = None if mask is None else jnp.broadcast_to(mask[:, None], scores.shape)
+        return prefix_attention(
             scores,
             values,
             head_mask,
@@ -406,45 +513,6 @@ class AarenAttention(nnx.Module):
             method=self.method,
             chunk_size=self.chunk_size,
         )
-        if self.rsa is not None:
-            rem_out, rem_state = rem_apply(
-                self.rsa.config, self.rsa.params(), values, mask, initial_state=rem_carry
-            )
-            out = self._gate_mix(out, rem_out)
-            state = RSAState(state, rem_state)
-        y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
-        return (y, state) if return_carry else y
-
-    def step(
-        self, carry: AttentionState, x_t: Array, mask_t: Array | None = None
-    ) -> tuple[AttentionState, Array]:
-        """Advances by one token in O(1) time and memory.
-
-        Args:
-          carry: the state so far. m, u [B, H]; w [B, H, D] (an ``RSAState`` with RSA)
-          x_t: this token. [B, d]
-          mask_t: True = valid; a masked token leaves the state unchanged. [B]
-
-        Returns:
-          ``(carry, y_t)`` with ``y_t`` [B, d].
-        """
-        x_t, mask_t = check_inputs(x_t, mask_t, self.d_model, name="x_t", ndim=2)
-        carry, rem_carry = self._split_carry(carry)
-        batch = x_t.shape[0]
-        heads, head_dim = self.num_heads, self.head_dim
-        q = self._query()
-        k = self.k_proj(x_t).reshape(batch, heads, head_dim)
-        v = self.v_proj(x_t).reshape(batch, heads, head_dim)
-        score = jnp.sum(k.astype(q.dtype) * q[None], axis=-1)  # [B, H]
-        head_mask = None
-        if mask_t is not None:
-            head_mask = jnp.broadcast_to(mask_t[:, None], (batch, heads))
-        carry, out = attention_step(carry, score, v, head_mask)
-        if self.rsa is not None:
-            rem_carry, rem_out = rem_step(self.rsa.config, self.rsa.params(), rem_carry, v, mask_t)
-            out = self._gate_mix(out, rem_out)
-            carry = RSAState(carry, rem_carry)
-        return carry, self.o_proj(out.reshape(batch, self.d_model))
 
 
 # ----------------------------------------------------------------------------------------
@@ -462,7 +530,8 @@ class KVCache(NamedTuple):
       k: keys, written up to ``length``. [B, H, C, D]
       v: values, written up to ``length``. [B, H, C, D]
       valid: True where a slot holds a valid (unmasked, written) token. [B, C]
-      length: number of slots written so far, the next write position. [] int32
+      length: number of slots written so far, the next write position; past ``C`` the
+        layer's outputs are NaN. [] int32
     """
 
     k: Array
@@ -480,8 +549,9 @@ def check_capacity(carry, num_new: int = 1) -> None:
     """Raises if writing ``num_new`` tokens would overflow any ``KVCache`` in ``carry``.
 
     Works on any pytree (a layer's cache, a model's carry, an Aaren carry with no cache).
-    Inside a trace the position is not known, so this checks nothing there: jitted helpers
-    (``aaren_jax.make_step_fn``, ``aaren_jax.stream``) call it on the host before each call.
+    Inside a trace the position is not known, so this checks nothing there; the layer then
+    returns NaN outputs for an overflowing write (never a plausible number), and the
+    jitted helpers (``make_step_fn``, ``stream``) call this on the host before each call.
 
     Args:
       carry: a pytree that may contain ``KVCache`` nodes.
@@ -502,97 +572,74 @@ def check_capacity(carry, num_new: int = 1) -> None:
             )
 
 
-def _masked_attention(q: Array, segments, gate: Array | None = None) -> Array:
-    """Softmax attention with boolean key masks over one or more key segments.
+def masked_attention(q: Array, segments, guarded: tuple[bool, ...]) -> Array:
+    """Softmax attention with boolean masks over one or more key segments: the one softmax.
 
     One softmax (float32, or float64 for float64 inputs) over the keys of every segment,
-    without concatenating them: a decode step attends over the cache as it was before this
-    token's write, and over this token apart (see ``_after``). Masked scores are excluded
-    before ``exp`` (no NaN, no leak); a row with no valid key gives exactly 0. With a
-    ``gate``, the segments' REM columns are mixed in as in ``_rsa_attention``.
+    without concatenating them: a cached call attends over the cache as it was before this
+    call's write and over the new tokens apart. Masked scores are excluded before ``exp``;
+    a row with no valid key gives exactly 0; a NaN score or value at an attended key makes
+    its row NaN. In a ``guarded`` segment, non-finite values at keys a row does not attend
+    (a causal pass's later tokens) are kept out of the product (``0 * nan`` would leak
+    them); the cache segment needs no guard (it holds earlier tokens only, masked ones
+    zeroed on entry), which saves a pass over it per decoded token.
 
     Args:
-      q: queries, pre-scaled. [B, H, Tq, D]
-      segments: ``(k, v, mask, rem)`` tuples: keys and values [B, H, S_i, D], True where
-        query t may attend key s [B, 1, Tq, S_i], and the REM columns [H, Tq, S_i] or None
-        (zero).
-      gate: ``sigmoid(mu)`` [], or None for plain softmax attention.
+      q: queries, pre-scaled by ``1/sqrt(D)``. [B, H, Tq, D]
+      segments: ``(k, v, attend)`` tuples: keys and values [B, H, S_i, D], True where query
+        t may attend key s [B, 1, Tq, S_i].
+      guarded: per segment, whether to guard its values.
 
     Returns:
-      Outputs in the first segment's ``v`` dtype; exactly 0 for a row with no valid key.
-      [B, H, Tq, D]
+      Outputs in the first segment's ``v`` dtype. [B, H, Tq, D]
     """
     out_dtype = segments[0][1].dtype
-    acc = jnp.promote_types(out_dtype, jnp.float32)
-    scores = [
-        jnp.where(mask, jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc), -jnp.inf)
-        for k, _, mask, _ in segments
-    ]
+    acc = accumulation_dtype(out_dtype)
+    scores, values = [], []
+    for (k, v, attend), guard in zip(segments, guarded, strict=True):
+        s = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=acc)
+        if guard:
+            finite = jnp.isfinite(v)
+            poisoned = jnp.logical_not(jnp.all(finite, axis=-1))[:, :, None, :]  # [B, H, 1, S]
+            s = jnp.where(poisoned, jnp.nan, s)
+            v = jnp.where(finite, v, jnp.zeros((), v.dtype))
+        scores.append(jnp.where(attend, s, -jnp.inf))
+        values.append(v)
     top = scores[0].max(axis=-1, keepdims=True)
     for s in scores[1:]:
         top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
     # A row with every key masked has top = -inf: use 0 so exp gives 0, not NaN.
     top = jax.lax.stop_gradient(jnp.where(jnp.isneginf(top), jnp.zeros_like(top), top))
-    weights = [
-        jnp.exp(jnp.where(mask, s - top, -jnp.inf))
-        for s, (_, _, mask, _) in zip(scores, segments, strict=True)
-    ]
+    weights = [jnp.exp(s - top) for s in scores]
     denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
     # Normalise the [B, H, Tq, D] output rather than the [B, H, Tq, S] weights.
     out = sum(
         jnp.einsum("bhts,bhsd->bhtd", w.astype(v.dtype), v, preferred_element_type=acc)
-        for w, (_, v, _, _) in zip(weights, segments, strict=True)
+        for w, v in zip(weights, values, strict=True)
     )
-    out = out / jnp.where(denom > 0, denom, jnp.ones_like(denom))
-    if gate is None:
-        return out.astype(out_dtype)
-    recurrent = sum(
-        jnp.einsum(
-            "bhts,bhsd->bhtd",
-            jnp.where(mask, rem.astype(v.dtype)[None], jnp.zeros((), v.dtype)),
-            v,
-            preferred_element_type=acc,
-        )
-        for _, v, mask, rem in segments
-        if rem is not None
-    )
-    gate = gate.astype(acc)
-    return ((1 - gate) * out + gate * recurrent).astype(out_dtype)
+    out = out / jnp.where(denom != 0, denom, jnp.ones_like(denom))
+    return out.astype(out_dtype)
 
 
-def _after(x: Array, y: Array) -> Array:
-    """``x`` unchanged, but data-dependent on ``y``, so that XLA computes ``y`` first.
-
-    A KV-cache step reads the cache, then writes this token into it. Written first and read
-    after, the update and the attention's dots made XLA (CPU) copy the whole cache several
-    times per step at batch 1 (the batch axis of size 1 puts a bitcast between them: about
-    40 ms instead of 2 ms per layer at C = 16384); read first with no dependency, XLA cannot
-    order the read before an in-place write and copies the cache too. With the update
-    depending on the attention's output, the write happens in place after the reads.
-    ``nan_to_num(0 * sum(y))`` is exactly 0 (also for non-finite ``y``); XLA cannot fold it.
-    """
-    zero = jnp.nan_to_num(jnp.zeros((), jnp.float32) * jnp.sum(y, dtype=jnp.float32))
-    return x + zero.astype(x.dtype)
-
-
-class CausalSelfAttention(nnx.Module):
+class CausalSelfAttention(_Attention):
     """Causal multi-head self-attention with a fixed-capacity KV cache (SPEC 1.5).
 
-    The parallel pass uses ``jax.nn.dot_product_attention``. The cache is a ``KVCache``
-    ``[B, H, C, D]``; a decode step writes one slot and attends over the whole buffer with a
-    validity mask, so it costs O(C) per token whatever the current length, and compiles
-    once for all positions (no shape depends on the position). Each layer reads its cache's
-    keys once and values once per step. Query rows with no valid key (e.g. a left-padding
-    position) output exactly 0, like Aaren's.
+    One computation for every call: the new tokens' queries attend, through one masked
+    softmax (``masked_attention``), over the cache as it was (if any) and causally over
+    the new tokens; then the new keys and values are written after the cache's ``length``.
+    A decode step is that with one token, O(C) per token whatever the current length, and
+    compiles once for all positions. Each call reads the cache's keys once and values once.
+    Query rows with no valid key (e.g. a left-padding position) output exactly 0, like
+    Aaren's. Without a carry, a returned carry is a cache of capacity ``max_len`` (default
+    ``2 T``), so ``step`` can continue from it.
 
-    RSA (``rsa=REMConfig(...)``, Huang et al. eq. (4)): per head
-    ``[(1 - sigmoid(mu)) softmax(QK^T / sqrt(D) + causal mask) + sigmoid(mu) P] V`` with
-    ``P`` the head's masked REM (truncated at power ``K``). The parallel pass builds ``P``
-    ``[H, T, T]``; a cached pass or a decode step builds the REM rows of its queries at
-    absolute positions ``length ..`` against the cache's slots (the non-square form,
-    ``q_offset = length``) and mixes them into the softmax weights, so the cache's values
-    are read once. Lags are slot differences in both paths and padded keys' REM columns
-    are zeroed: with left or right padding this is the REM of the unpadded tokens.
+    Overflow: writing past the capacity raises when the position is known (eager) and
+    makes every output of that call NaN under a trace (``jit``, ``lax.scan``).
+
+    RSA (``rsa=REMConfig(...)``): per head
+    ``(1 - sigmoid(mu)) softmax(QK^T / sqrt(D) + causal mask) V + sigmoid(mu) P V`` with
+    ``P V`` from the REM recurrence (``RecurrenceEncoding``), as in RSA-Aaren: no truncation
+    at ``K``, padding tokens absent from the lags; the carry is an ``RSAState``.
 
     Attributes:
       q_proj, k_proj, v_proj, o_proj: ``nnx.Linear(d, d)`` with biases.
@@ -602,12 +649,10 @@ class CausalSelfAttention(nnx.Module):
     Example:
       >>> layer = CausalSelfAttention(16, 2, rngs=nnx.Rngs(0))
       >>> x = jnp.ones((3, 5, 16))
-      >>> y, cache = layer(x, return_carry=True)  # a cache of capacity 5, full
-      >>> cache = layer.init_carry(3, max_len=8)
-      >>> y, cache = layer(x, carry=cache, return_carry=True)
+      >>> y, cache = layer(x, return_carry=True)  # a cache of capacity 2 T = 10
       >>> cache, y_t = layer.step(cache, x[:, 0])
-      >>> int(cache.length)
-      6
+      >>> int(cache.length), cache.capacity
+      (6, 10)
     """
 
     def __init__(
@@ -632,146 +677,35 @@ class CausalSelfAttention(nnx.Module):
           rsa: a ``REMConfig`` to make the heads RSA heads, or None (plain).
           rngs: parameter RNGs.
         """
-        self.head_dim = _check_heads(d_model, num_heads)
-        self.d_model, self.num_heads = d_model, num_heads
-        self.dtype, self.param_dtype = dtype, param_dtype
-
-        def linear():
-            return nnx.Linear(
-                d_model,
-                d_model,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                kernel_init=kernel_init,
-                rngs=rngs,
-            )
-
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = linear(), linear(), linear(), linear()
-        self.rsa = (
-            None if rsa is None else RecurrenceEncoding(rsa, num_heads, param_dtype=param_dtype)
+        super().__init__(
+            d_model,
+            num_heads,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            rsa=rsa,
+            rngs=rngs,
         )
 
-    def _cache_dtype(self):
-        return jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
-
-    def init_carry(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty cache of capacity ``max_len``.
-
-        Args:
-          batch_size: ``B``.
-          max_len: capacity ``C``, the most tokens (prefill and steps) it will hold.
-
-        Returns:
-          A ``KVCache`` with k, v [B, H, C, D], valid [B, C] all False, length 0.
-
-        Raises:
-          ValueError: ``max_len`` missing or not positive.
-        """
-        if max_len is None or int(max_len) < 1:
+    def _init_own_carry(self, batch: int, max_len: int | None) -> KVCache:
+        """An empty cache: k, v [B, H, C, D], valid [B, C] all False, length 0."""
+        if max_len is None:
             raise ValueError(
-                f"a KV cache needs a capacity: pass max_len >= 1 to init_carry, got {max_len}"
+                "a KV cache needs a capacity: pass max_len >= 1 to init_carry, got None"
             )
-        shape = (int(batch_size), self.num_heads, int(max_len), self.head_dim)
+        (capacity,) = as_shape("init_carry: max_len", (max_len,))
+        if capacity < 1:
+            raise ValueError(f"init_carry: max_len must be >= 1, got {max_len!r}")
+        dtype = jnp.dtype(self.dtype if self.dtype is not None else self.param_dtype)
+        shape = (batch, self.num_heads, capacity, self.head_dim)
         return KVCache(
-            k=jnp.zeros(shape, self._cache_dtype()),
-            v=jnp.zeros(shape, self._cache_dtype()),
-            valid=jnp.zeros((int(batch_size), int(max_len)), jnp.bool_),
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            valid=jnp.zeros((batch, capacity), jnp.bool_),
             length=jnp.zeros((), jnp.int32),
         )
 
-    def _heads(self, y: Array) -> Array:
-        """[B, T, d] -> [B, T, H, D]."""
-        return y.reshape(*y.shape[:-1], self.num_heads, self.head_dim)
-
-    def __call__(
-        self,
-        x: Array,
-        mask: Array | None = None,
-        carry: KVCache | None = None,
-        return_carry: bool = False,
-    ):
-        """Runs the whole sequence at once, optionally prefilling a cache.
-
-        Args:
-          x: inputs. [B, T, d]
-          mask: True = valid token; masked keys are never attended. [B, T]
-          carry: a cache to continue (tokens go to slots ``length .. length+T-1``), or None.
-          return_carry: also return the cache. With ``carry=None`` it has capacity ``T``.
-
-        Returns:
-          ``y`` [B, T, d], or ``(y, cache)`` when ``return_carry``.
-
-        Raises:
-          ValueError: the cache cannot hold ``T`` more tokens (checked when not traced).
-        """
-        x, mask = check_inputs(x, mask, self.d_model)
-        batch, length, _ = x.shape
-        q = self._heads(self.q_proj(x))
-        k = self._heads(self.k_proj(x))
-        v = self._heads(self.v_proj(x))
-        valid = jnp.ones((batch, length), jnp.bool_) if mask is None else mask
-        scale = 1.0 / math.sqrt(self.head_dim)
-
-        if carry is None:
-            causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-            attend = causal[None, None] & valid[:, None, None, :]  # [B, 1, T, T]
-            if self.rsa is not None:
-                qh = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
-                out = _rsa_attention(
-                    qh,
-                    jnp.swapaxes(k, 1, 2),
-                    jnp.swapaxes(v, 1, 2),
-                    attend,
-                    valid,
-                    self.rsa.matrices(length, length),
-                    self.rsa.gate(),
-                )
-                out = jnp.swapaxes(out, 1, 2)  # [B, T, H, D]
-            else:
-                out = jax.nn.dot_product_attention(q, k, v, mask=attend, scale=scale)
-            # dot_product_attention spreads a row with no valid key uniformly over masked
-            # keys; give exactly 0 instead (finite, and equal to the cached path).
-            seen = jax.lax.cummax(valid.astype(jnp.int32), axis=1) > 0  # [B, T]
-            out = jnp.where(seen[:, :, None, None], out, jnp.zeros_like(out))
-            y = self.o_proj(out.reshape(batch, length, self.d_model))
-            if not return_carry:
-                return y
-            carry = KVCache(
-                k=jnp.swapaxes(k, 1, 2).astype(self._cache_dtype()),
-                v=jnp.swapaxes(v, 1, 2).astype(self._cache_dtype()),
-                valid=valid,
-                length=jnp.asarray(length, jnp.int32),
-            )
-            return y, carry
-
-        self._check_cache(carry, batch)
-        check_capacity(carry, length)
-        start = carry.length
-        zero = jnp.zeros((), start.dtype)  # indices of one integer type, also under x64
-        cache_k = jax.lax.dynamic_update_slice(
-            carry.k, jnp.swapaxes(k, 1, 2).astype(carry.k.dtype), (zero, zero, start, zero)
-        )
-        cache_v = jax.lax.dynamic_update_slice(
-            carry.v, jnp.swapaxes(v, 1, 2).astype(carry.v.dtype), (zero, zero, start, zero)
-        )
-        cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid, (zero, start))
-        # Query t sits at slot start + t and sees slots up to it that hold valid tokens.
-        slots = jnp.arange(carry.capacity)
-        query_slot = start + jnp.arange(length)
-        attend = (slots[None, :] <= query_slot[:, None])[None, None] & cache_valid[:, None, None, :]
-        qh = jnp.swapaxes(q, 1, 2) * jnp.asarray(scale, q.dtype)
-        if self.rsa is not None:
-            rem = self.rsa.matrices(length, carry.capacity, q_offset=start)
-            out = _rsa_attention(
-                qh, cache_k, cache_v, attend, cache_valid, rem, self.rsa.gate()
-            )  # [B, H, T, D]
-        else:
-            out = _masked_attention(qh, [(cache_k, cache_v, attend, None)])  # [B, H, T, D]
-        y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
-        new = KVCache(cache_k, cache_v, cache_valid, start + jnp.asarray(length, jnp.int32))
-        return (y, new) if return_carry else y
-
-    def _check_cache(self, carry, batch: int) -> None:
+    def _check_own_carry(self, carry, batch: int) -> None:
         if not isinstance(carry, KVCache):
             raise TypeError(f"carry must be a KVCache, got {type(carry).__name__}")
         want = (batch, self.num_heads, carry.capacity, self.head_dim)
@@ -781,50 +715,43 @@ class CausalSelfAttention(nnx.Module):
                 f"{carry.k.shape} / {carry.v.shape}"
             )
 
-    def step(
-        self, carry: KVCache, x_t: Array, mask_t: Array | None = None
-    ) -> tuple[KVCache, Array]:
-        """Decodes one token: writes its key/value at ``length`` and attends over the cache.
-
-        Costs O(C) per token (the whole buffer, masked), not O(length).
-
-        Args:
-          carry: the cache. k, v [B, H, C, D]; valid [B, C]; length []
-          x_t: this token. [B, d]
-          mask_t: True = valid; a masked token's slot is never attended. [B]
-
-        Returns:
-          ``(carry, y_t)`` with ``y_t`` [B, d].
-
-        Raises:
-          ValueError: the cache is full (checked when not traced; jitted helpers check on
-            the host before calling).
-        """
-        x_t, mask_t = check_inputs(x_t, mask_t, self.d_model, name="x_t", ndim=2)
-        batch = x_t.shape[0]
-        self._check_cache(carry, batch)
-        check_capacity(carry, 1)
-        heads, head_dim = self.num_heads, self.head_dim
-        q = self.q_proj(x_t).reshape(batch, heads, 1, head_dim)
-        k = self.k_proj(x_t).reshape(batch, heads, 1, head_dim).astype(carry.k.dtype)
-        v = self.v_proj(x_t).reshape(batch, heads, 1, head_dim).astype(carry.v.dtype)
-        valid_t = jnp.ones((batch,), jnp.bool_) if mask_t is None else mask_t
-        pos = carry.length
-        zero = jnp.zeros((), pos.dtype)  # indices of one integer type, also under x64
-        cache_valid = jax.lax.dynamic_update_slice(carry.valid, valid_t[:, None], (zero, pos))
-        q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
-        # The cache as it was (its valid slots are all before this token), then this token;
-        # the write comes after the reads (_after), so it happens in place.
-        old = (carry.k, carry.v, carry.valid[:, None, None, :], None)
-        this = (k, v, valid_t[:, None, None, None], None)
-        gate = None
-        if self.rsa is not None:
-            # The REM row of query position pos against every slot (App. D.2, q_offset);
-            # the masked REM is strictly lower triangular, so this token's own entry is 0.
-            old = old[:3] + (self.rsa.matrices(1, carry.capacity, q_offset=pos),)
-            gate = self.rsa.gate()
-        out = _masked_attention(q, [old, this], gate)  # [B, H, 1, D]
-        cache_k = jax.lax.dynamic_update_slice(carry.k, _after(k, out), (zero, zero, pos, zero))
-        cache_v = jax.lax.dynamic_update_slice(carry.v, _after(v, out), (zero, zero, pos, zero))
-        y = self.o_proj(out.reshape(batch, self.d_model))
-        return KVCache(cache_k, cache_v, cache_valid, pos + 1), y
+    def _mix(self, x: Array, values: Array, mask: Array | None, cache, max_len):
+        batch, length, _ = x.shape
+        scale = jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
+        q = self._heads(self.q_proj(x)) * scale
+        keys = self._heads(self.k_proj(x))
+        valid = jnp.ones((batch, length), jnp.bool_) if mask is None else mask
+        causal = jnp.tril(jnp.ones((length, length), jnp.bool_))[None, None]
+        new = (keys, values, causal & valid[:, None, None, :])  # [B, 1, T, T]
+        if cache is None:  # no earlier tokens; the cache returned has room to continue
+            out = masked_attention(q, [new], guarded=(True,))
+            capacity = 2 * length if max_len is None else max_len
+            if capacity < length:
+                raise ValueError(f"max_len={max_len} cannot hold the T = {length} tokens of x")
+            cache = self._init_own_carry(batch, capacity)
+        else:
+            if length > cache.capacity:  # a static shape: an error even under a trace
+                raise ValueError(
+                    f"KV cache overflow: capacity {cache.capacity}, cannot write T = {length} "
+                    "tokens; call init_carry with a larger max_len"
+                )
+            check_capacity(cache, length)
+            # The cache's valid slots all hold earlier tokens: every new query sees them.
+            old = (cache.k, cache.v, cache.valid[:, None, None, :])
+            new = (keys.astype(cache.k.dtype), values.astype(cache.v.dtype), new[2])
+            out = masked_attention(q, [old, new], guarded=(False, True))  # [B, H, T, D]
+        keys, values = keys.astype(cache.k.dtype), values.astype(cache.v.dtype)
+        # Write after the reads, so XLA updates the cache in place instead of copying it
+        # (at batch 1 a copy per step cost 20x the step at C = 16384; MEASUREMENTS).
+        keys, values, out = jax.lax.optimization_barrier((keys, values, out))
+        start = cache.length
+        zero = jnp.zeros((), start.dtype)  # indices of one integer type, also under x64
+        new_cache = KVCache(
+            k=jax.lax.dynamic_update_slice(cache.k, keys, (zero, zero, start, zero)),
+            v=jax.lax.dynamic_update_slice(cache.v, values, (zero, zero, start, zero)),
+            valid=jax.lax.dynamic_update_slice(cache.valid, valid, (zero, start)),
+            length=start + jnp.asarray(length, start.dtype),
+        )
+        # Past the capacity the write was clamped onto earlier slots: never a plausible number.
+        fits = new_cache.length <= cache.capacity
+        return jnp.where(fits, out, jnp.nan), new_cache

@@ -1,8 +1,9 @@
-"""Residual blocks: attention and an MLP, each with LayerNorm and dropout (SPEC 1.4, 1.5).
+"""Residual blocks: a token mixer and an MLP, each with LayerNorm and dropout (SPEC 1.4, 1.5).
 
-``AarenBlock`` and ``TransformerBlock`` differ only in their attention layer; both have
-the interface of SPEC 2.2 at block level (``__call__``, ``init_carry``, ``step``), the
-carry being that of their attention layer.
+One block, configured by its token mixer (``Mixer``): ``AarenBlock`` mixes with
+``AarenAttention``, ``TransformerBlock`` with ``CausalSelfAttention``; both have the
+interface of SPEC 2.2 (``__call__``, ``init_carry``, ``step``), their carry being the
+mixer's, and ``step`` is the block's computation on one token.
 
 With ``d = 512``, ``H = 8``, ``d_ff = 2048`` a ``TransformerBlock`` has 3,152,384
 parameters and an ``AarenBlock`` 3,152,896: ``d`` more, the learned query (binding).
@@ -12,122 +13,144 @@ Shape notation: ``B`` batch, ``T`` time, ``d`` model width.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aaren_jax.attention import AarenAttention, CausalSelfAttention, check_inputs
+from aaren_jax.attention import (
+    AarenAttention,
+    CausalSelfAttention,
+    SequenceModule,
+    zero_masked,
+)
 from aaren_jax.rem import REMConfig
 
 Array = jax.Array
 
 NORMS = ("pre", "post")
+MIXERS = ("aaren", "transformer")
 
 
-class _Block(nnx.Module):
-    """Shared residual structure; subclasses choose the attention layer."""
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+    """The token mixer of a block: which attention, and its options.
+
+    Attributes:
+      kind: ``"aaren"`` (``AarenAttention``) or ``"transformer"`` (``CausalSelfAttention``).
+      method: ``prefix_attention`` method of Aaren's parallel pass.
+      chunk_size: ``prefix_attention`` chunk size (Aaren).
+      rsa: a ``REMConfig`` gating REMs into every head (RSA), or None.
+    """
+
+    kind: str = "aaren"
+    method: str = "auto"
+    chunk_size: int | None = None
+    rsa: REMConfig | None = None
+
+    def __post_init__(self):
+        if self.kind not in MIXERS:
+            raise ValueError(f"mixer kind must be one of {MIXERS}, got {self.kind!r}")
+
+    def build(self, d_model: int, num_heads: int, *, dtype, param_dtype, rngs) -> SequenceModule:
+        """The attention layer this configuration names."""
+        common = dict(dtype=dtype, param_dtype=param_dtype, rsa=self.rsa, rngs=rngs)
+        if self.kind == "aaren":
+            return AarenAttention(
+                d_model, num_heads, method=self.method, chunk_size=self.chunk_size, **common
+            )
+        return CausalSelfAttention(d_model, num_heads, **common)
+
+
+class Block(SequenceModule):
+    """A residual block around any ``Mixer``: attention and an MLP, LayerNorm, dropout.
+
+    Pre-norm (default): ``x + Drop(Attn(LN1(x)))`` then ``x + Drop(MLP(LN2(x)))``.
+    Post-norm: ``LN1(x + Drop(Attn(x)))`` then ``LN2(x + Drop(MLP(x)))``.
+
+    Attributes:
+      attention: the mixer's attention layer.
+      norm1, norm2: the LayerNorms before (pre) or after (post) each branch.
+      mlp_in, mlp_out: the MLP, ``d -> d_ff -> d``.
+      dropout: residual dropout; follows ``model.train()`` / ``model.eval()``.
+    """
 
     def __init__(
         self,
-        attention: nnx.Module,
+        mixer: Mixer,
         d_model: int,
+        num_heads: int,
         d_ff: int,
         *,
-        dropout: float,
-        norm: str,
-        activation: Callable[[Array], Array],
-        dtype,
-        param_dtype,
+        dropout: float = 0.0,
+        norm: str = "pre",
+        activation: Callable[[Array], Array] = nnx.gelu,
+        dtype=None,
+        param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
+        """Builds the block.
+
+        Args:
+          mixer: the token mixer.
+          d_model: model width ``d``.
+          num_heads: heads ``H``; must divide ``d``.
+          d_ff: MLP hidden width.
+          dropout: residual dropout rate, in [0, 1).
+          norm: ``"pre"`` or ``"post"`` LayerNorm.
+          activation: the MLP's nonlinearity (GELU).
+          dtype: compute dtype (None: from inputs and params); attention state and softmax
+            are float32.
+          param_dtype: parameter dtype.
+          rngs: parameter and dropout RNGs.
+
+        Raises:
+          ValueError: an unknown norm, a dropout outside [0, 1), a non-positive ``d_ff``.
+        """
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if d_ff < 1:
             raise ValueError(f"d_ff must be positive, got {d_ff}")
+        self.attention = mixer.build(
+            d_model, num_heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
         self.d_model, self.d_ff, self.norm = d_model, d_ff, norm
         self.activation = activation
-        self.attention = attention
         self.norm1 = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.norm2 = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_in = nnx.Linear(d_model, d_ff, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp_out = nnx.Linear(d_ff, d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        # Residual dropout on both branches (Vaswani et al.); follows model.train()/eval().
+        # Residual dropout on both branches (Vaswani et al.).
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-
-    def _mlp(self, h: Array) -> Array:
-        return self.mlp_out(self.activation(self.mlp_in(h)))
-
-    def _residual(self, x: Array, attend: Callable):
-        """Applies attention (through ``attend``, which also returns a carry) and the MLP."""
-        pre = self.norm == "pre"
-        h, carry = attend(self.norm1(x) if pre else x)
-        x = x + self.dropout(h)
-        if not pre:
-            x = self.norm1(x)
-        x = x + self.dropout(self._mlp(self.norm2(x) if pre else x))
-        if not pre:
-            x = self.norm2(x)
-        return x, carry
 
     def init_carry(self, batch_size: int, max_len: int | None = None):
         """The attention layer's empty carry (see its ``init_carry``)."""
         return self.attention.init_carry(batch_size, max_len)
 
-    def __call__(self, x: Array, mask: Array | None = None, carry=None, return_carry=False):
-        """Runs the whole sequence at once.
-
-        Args:
-          x: inputs. [B, T, d]
-          mask: True = valid token. [B, T]
-          carry: the attention layer's carry to continue, or None.
-          return_carry: also return the attention layer's carry.
-
-        Returns:
-          ``y`` [B, T, d], or ``(y, carry)`` when ``return_carry``.
-        """
-        x, mask = check_inputs(x, mask, self.d_model)
-        y, carry = self._residual(
-            x, lambda h: self.attention(h, mask, carry=carry, return_carry=True)
-        )
-        return (y, carry) if return_carry else y
-
-    def step(self, carry, x_t: Array, mask_t: Array | None = None):
-        """Advances by one token.
-
-        Args:
-          carry: the attention layer's carry.
-          x_t: this token. [B, d]
-          mask_t: True = valid token. [B]
-
-        Returns:
-          ``(carry, y_t)`` with ``y_t`` [B, d].
-        """
-        x_t, mask_t = check_inputs(x_t, mask_t, self.d_model, name="x_t", ndim=2)
-
-        def attend(h):
-            new_carry, out = self.attention.step(carry, h, mask_t)
-            return out, new_carry
-
-        y, carry = self._residual(x_t, attend)
-        return carry, y
+    def forward(self, x: Array, mask: Array | None, carry, max_len: int | None = None):
+        """The block on validated inputs: ``(y [B, T, d], carry)``."""
+        x = zero_masked(x, mask)
+        pre = self.norm == "pre"
+        h, carry = self.attention.forward(self.norm1(x) if pre else x, mask, carry, max_len)
+        x = x + self.dropout(h)
+        if not pre:
+            x = self.norm1(x)
+        h = self.norm2(x) if pre else x
+        x = x + self.dropout(self.mlp_out(self.activation(self.mlp_in(h))))
+        if not pre:
+            x = self.norm2(x)
+        return x, carry
 
 
-class AarenBlock(_Block):
-    """An Aaren block: ``AarenAttention`` and an MLP, residual, LayerNorm, dropout.
+class AarenBlock(Block):
+    """An Aaren block: ``AarenAttention`` and an MLP (``Block`` with ``Mixer("aaren")``).
 
-    Pre-norm (default): ``x + Drop(Attn(LN1(x)))`` then ``x + Drop(MLP(LN2(x)))``.
-    Post-norm: ``LN1(x + Drop(Attn(x)))`` then ``LN2(x + Drop(MLP(x)))``.
-    Its carry is one ``AttentionState`` (m, u [B, H]; w [B, H, D]), constant in size.
-
-    Attributes:
-      attention: the ``AarenAttention`` layer.
-      norm1, norm2: the LayerNorms before (pre) or after (post) each branch.
-      mlp_in, mlp_out: the MLP, ``d -> d_ff -> d``.
-      dropout: residual dropout.
+    Its carry is one compensated ``AttentionState`` (m, u [B, H]; w [B, H, D]) or, with
+    RSA, an ``RSAState``: constant in size.
 
     Example:
       >>> block = AarenBlock(16, 2, 32, rngs=nnx.Rngs(0))
@@ -144,65 +167,23 @@ class AarenBlock(_Block):
         num_heads: int,
         d_ff: int,
         *,
-        dropout: float = 0.0,
-        norm: str = "pre",
-        activation: Callable[[Array], Array] = nnx.gelu,
-        dtype=None,
-        param_dtype=jnp.float32,
         method: str = "auto",
         chunk_size: int | None = None,
         rsa: REMConfig | None = None,
-        rngs: nnx.Rngs,
+        **options,
     ):
-        """Builds the block.
-
-        Args:
-          d_model: model width ``d``.
-          num_heads: heads ``H``; must divide ``d``.
-          d_ff: MLP hidden width.
-          dropout: residual dropout rate.
-          norm: ``"pre"`` or ``"post"`` LayerNorm.
-          activation: the MLP's nonlinearity (GELU).
-          dtype: compute dtype (None: from inputs and params); the scan state is float32.
-          param_dtype: parameter dtype.
-          method: ``prefix_attention`` method of the parallel pass.
-          chunk_size: ``prefix_attention`` chunk size.
-          rsa: a ``REMConfig`` for RSA-Aaren (REMs gated into each head), or None.
-          rngs: parameter and dropout RNGs.
-        """
-        attention = AarenAttention(
-            d_model,
-            num_heads,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            method=method,
-            chunk_size=chunk_size,
-            rsa=rsa,
-            rngs=rngs,
-        )
-        super().__init__(
-            attention,
-            d_model,
-            d_ff,
-            dropout=dropout,
-            norm=norm,
-            activation=activation,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
+        """Builds the block: ``method``, ``chunk_size``, ``rsa`` as in ``Mixer``; the
+        other options (``dropout``, ``norm``, ``activation``, ``dtype``, ``param_dtype``,
+        ``rngs``) as in ``Block``."""
+        mixer = Mixer("aaren", method=method, chunk_size=chunk_size, rsa=rsa)
+        super().__init__(mixer, d_model, num_heads, d_ff, **options)
 
 
-class TransformerBlock(_Block):
-    """The baseline block: ``CausalSelfAttention`` and an MLP, otherwise as ``AarenBlock``.
+class TransformerBlock(Block):
+    """The baseline block: ``CausalSelfAttention`` and an MLP (``Mixer("transformer")``).
 
-    Its carry is one ``KVCache`` (k, v [B, H, C, D]; valid [B, C]; length []).
-
-    Attributes:
-      attention: the ``CausalSelfAttention`` layer.
-      norm1, norm2: the LayerNorms before (pre) or after (post) each branch.
-      mlp_in, mlp_out: the MLP, ``d -> d_ff -> d``.
-      dropout: residual dropout.
+    Its carry is one ``KVCache`` (k, v [B, H, C, D]; valid [B, C]; length []) or, with RSA,
+    an ``RSAState``.
 
     Example:
       >>> block = TransformerBlock(16, 2, 32, rngs=nnx.Rngs(0))
@@ -214,44 +195,7 @@ class TransformerBlock(_Block):
     """
 
     def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        *,
-        dropout: float = 0.0,
-        norm: str = "pre",
-        activation: Callable[[Array], Array] = nnx.gelu,
-        dtype=None,
-        param_dtype=jnp.float32,
-        rsa: REMConfig | None = None,
-        rngs: nnx.Rngs,
+        self, d_model: int, num_heads: int, d_ff: int, *, rsa: REMConfig | None = None, **options
     ):
-        """Builds the block.
-
-        Args:
-          d_model: model width ``d``.
-          num_heads: heads ``H``; must divide ``d``.
-          d_ff: MLP hidden width.
-          dropout: residual dropout rate.
-          norm: ``"pre"`` or ``"post"`` LayerNorm.
-          activation: the MLP's nonlinearity (GELU).
-          dtype: compute dtype (None: from inputs and params); softmax is float32.
-          param_dtype: parameter dtype.
-          rsa: a ``REMConfig`` for RSA heads (Huang et al. eq. (4)), or None.
-          rngs: parameter and dropout RNGs.
-        """
-        attention = CausalSelfAttention(
-            d_model, num_heads, dtype=dtype, param_dtype=param_dtype, rsa=rsa, rngs=rngs
-        )
-        super().__init__(
-            attention,
-            d_model,
-            d_ff,
-            dropout=dropout,
-            norm=norm,
-            activation=activation,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
+        """Builds the block: ``rsa`` as in ``Mixer``; the other options as in ``Block``."""
+        super().__init__(Mixer("transformer", rsa=rsa), d_model, num_heads, d_ff, **options)

@@ -842,6 +842,11 @@ def rem_apply(
     if num_tokens == 0:
         return jnp.zeros(values.shape, values.dtype), initial_state
 
+    if num_tokens == 1:  # a streaming step: one update of the ring, no scan
+        final, out = rem_step(
+            config, params, initial_state, values[..., 0, :], None if mask is None else mask[..., 0]
+        )
+        return out[..., None, :], final
     if method == "sequential":
         xs = (jnp.moveaxis(values, -2, 0), None if mask is None else jnp.moveaxis(mask, -1, 0))
 
