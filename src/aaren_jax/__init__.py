@@ -14,15 +14,13 @@ from aaren_jax.attention import (
 from aaren_jax.blocks import AarenBlock, Block, Mixer, TransformerBlock
 from aaren_jax.deploy import LoadedStep, export_step, load_step, make_step_fn, stream
 from aaren_jax.models import Aaren, AarenCarry, Stack, Transformer, TransformerCarry
-from aaren_jax.rem import (
-    REMConfig,
+from aaren_jax.rem_config import REMConfig, init_rem_params
+from aaren_jax.rem_matrix import rem_matrices, rem_matrix
+from aaren_jax.rem_recurrence import (
     REMState,
-    init_rem_params,
     init_rem_state,
     rem_apply,
     rem_apply_bidirectional,
-    rem_matrices,
-    rem_matrix,
     rem_step,
 )
 from aaren_jax.scan import (

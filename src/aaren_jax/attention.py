@@ -38,14 +38,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from aaren_jax.rem import (
-    REMConfig,
-    REMState,
-    init_rem_params,
-    init_rem_state,
-    rem_apply,
-    rem_matrices,
-)
+from aaren_jax.rem_config import REMConfig, init_rem_params
+from aaren_jax.rem_matrix import rem_matrices
+from aaren_jax.rem_recurrence import REMState, init_rem_state, rem_apply
 from aaren_jax.scan import (
     METHODS,
     AttentionState,

@@ -26,7 +26,7 @@ from aaren_jax.attention import (
     SequenceModule,
     zero_masked,
 )
-from aaren_jax.rem import REMConfig
+from aaren_jax.rem_config import REMConfig
 
 Array = jax.Array
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 from aaren_jax.attention import KVCache, RSAState, SequenceModule, zero_masked
 from aaren_jax.blocks import Block, Mixer
-from aaren_jax.rem import REMConfig
+from aaren_jax.rem_config import REMConfig
 from aaren_jax.scan import AttentionState
 
 Array = jax.Array
