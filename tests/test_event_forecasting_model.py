@@ -209,11 +209,16 @@ def test_train_and_evaluate_resumes_exactly(tmp_path):
             for s in ds.test.seqs
         ]
     )
-    full = train.train_and_evaluate(cfg, str(tmp_path / "a"), data=ds)
+    full, full_result = train.run(cfg, str(tmp_path / "a"), data=ds)
     stopped = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, max_steps=1))
     first = train.train_and_evaluate(stopped, str(tmp_path / "b"), data=ds)
-    resumed = train.train_and_evaluate(cfg, str(tmp_path / "b"), data=ds)
+    resumed, resumed_result = train.run(cfg, str(tmp_path / "b"), data=ds)
     assert (first["steps"], resumed["steps"], full["steps"]) == (1, 2, 2)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        full_result.params,
+        resumed_result.params,
+    )
     for k in ("nll", "nll_time", "nll_mark", "rmse", "accuracy"):
         assert resumed[k] == pytest.approx(full[k], rel=1e-6, abs=1e-9), k
     for k in (

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from examples.common import fit
+from examples.common import TrainResult, fit
 from examples.event_forecasting.configs import Config
 from examples.event_forecasting.data import EventData, EventSet, load_dataset
 from examples.event_forecasting.model import EventModel, eval_fn, loss_fn
@@ -64,6 +64,16 @@ def true_nll(data: EventData, test: EventSet) -> float | None:
 def train_and_evaluate(config: Config, workdir: str | None, data: EventData | None = None) -> dict:
     """Trains with early stopping on validation NLL, then tests the best parameters.
 
+    Returns ``run(config, workdir, data)``'s record.
+    """
+    return run(config, workdir, data)[0]
+
+
+def run(
+    config: Config, workdir: str | None, data: EventData | None = None
+) -> tuple[dict, TrainResult]:
+    """Trains with early stopping on validation NLL, then tests the best parameters.
+
     Args:
       config: the run's configuration.
       workdir: checkpoints and ``result.json`` go here (resumes if a checkpoint exists);
@@ -71,8 +81,9 @@ def train_and_evaluate(config: Config, workdir: str | None, data: EventData | No
       data: preloaded splits (must match ``config.data``), to share between runs.
 
     Returns:
-      A record ``{"dataset", "model", "seed", "nll", "nll_time", "nll_mark", "rmse",
-      "accuracy", "true_nll", "events", "wall_s", ...}`` on the test split (per event).
+      ``(record, result)``: the record ``{"dataset", "model", "seed", "nll", "nll_time",
+      "nll_mark", "rmse", "accuracy", "true_nll", "events", "wall_s", ...}`` on the test split
+      (per event), and ``fit``'s ``TrainResult`` (best model, last parameters, history).
     """
     t0 = time.perf_counter()
     if data is None:
@@ -128,4 +139,4 @@ def train_and_evaluate(config: Config, workdir: str | None, data: EventData | No
         summary = {"record": record, "history": result.history}
         summary["config"] = dataclasses.asdict(config)
         (out / "result.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return record
+    return record, result
