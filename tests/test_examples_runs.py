@@ -221,3 +221,39 @@ def test_progress_writes_log_lines_without_a_terminal(caplog):
     assert "run epoch 1/3 step 5/10 loss 0.2500" in caplog.text
     silent = Progress(10, 0, "x", enabled=False, terminal=False)
     assert not silent.log_lines
+
+
+def test_fit_names_a_checkpoint_of_another_model(tmp_path):
+    """fit used directly (no run folder): a mismatching checkpoint gets a short message."""
+    import jax.numpy as jnp
+
+    from examples.common import CheckpointIO, LoopConfig, OptimConfig, fit
+    from examples.forecasting import configs, train
+
+    io = CheckpointIO(tmp_path / "checkpoints")
+    io.save(1, {"params": {"w": jnp.zeros(3)}, "opt_state": {}, "best_params": {}}, {"step": 1})
+    io.close()
+    cfg = configs.tiny_config()
+    rng = np.random.default_rng(0)
+    rows = 8 + cfg.data.seq_len + cfg.data.pred_len - 1
+    split = data.WindowDataset(
+        rng.normal(size=(rows, 2)).astype(np.float32),
+        rng.normal(size=(rows, 4)).astype(np.float32),
+        cfg.data.seq_len,
+        cfg.data.pred_len,
+    )
+    scale = (np.zeros(2), np.ones(2))
+    tiny = data.ForecastData(split, split, split, *scale, ["a", "OT"], "h", ([], []))
+    with pytest.raises(ValueError, match="checkpoint of another model or optimiser"):
+        fit(
+            train.build_model(cfg, tiny),
+            train.loss_fn,
+            train.eval_fn,
+            split,
+            split,
+            monitor="mse",
+            mode="min",
+            loop=LoopConfig(batch_size=8, progress=False),
+            optim=OptimConfig(),
+            workdir=str(tmp_path),
+        )

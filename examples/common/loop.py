@@ -265,7 +265,15 @@ def fit(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             {"params": params, "opt_state": opt_state, "best_params": best_params},
         )
-        state, meta = ckpt.restore(abstract)
+        try:
+            state, meta = ckpt.restore(abstract)
+        except (ValueError, KeyError, TypeError) as e:  # Orbax's multi-kilobyte tree diff
+            ckpt.close()
+            raise ValueError(
+                f"{workdir}/checkpoints holds a checkpoint of another model or optimiser (its "
+                f"arrays do not fit this one: {type(e).__name__}). Use another workdir, or "
+                "delete that one to start fresh."
+            ) from e
         params, opt_state, best_params = state["params"], state["opt_state"], state["best_params"]
         step, bad_epochs, done = meta["step"], meta["bad_epochs"], meta["done"]
         best_metric = meta["best_metric"] if meta["best_metric"] is not None else best_metric
