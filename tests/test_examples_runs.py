@@ -186,12 +186,15 @@ def test_sweeps_without_results_leave_committed_results_untouched(tmp_path, monk
     monkeypatch.setenv("AAREN_RUNS_ROOT", str(tmp_path))
     before = _tree_digest(REPO_ROOT / "results")
 
+    configs_seen = []
+
     def fake_run(cfg, workdir=None, data=None, datasets=None, **kw):  # no training here
+        configs_seen.append(cfg)
         return {"wall_s": 0.0, "mse": 1.0, "accuracy": 50.0, "bin0": 1.0, "bin1": 0.5}
 
     for mod in (fc_sweep, cls_sweep, rl_sweep):
         monkeypatch.setattr(mod.train, "train_and_evaluate", fake_run)
-    monkeypatch.setattr(fc_sweep.data, "load_dataset", lambda *a, **k: None)
+    monkeypatch.setattr(fc_sweep.train, "load_data", lambda *a, **k: None)
     monkeypatch.setattr(cls_sweep.data, "load_dataset", lambda *a, **k: None)
     monkeypatch.setattr(rl_sweep.data, "make_datasets", lambda *a, **k: None)
     for mod in (fc_sweep, cls_sweep, rl_sweep):
