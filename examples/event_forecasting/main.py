@@ -27,6 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="override the number of blocks")
     p.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
     p.add_argument("--dropout", type=float, default=None)
+    p.add_argument("--tie-marks", action="store_true", help="mark logits from the embeddings")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p.parse_args(argv)
 
@@ -47,6 +48,8 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
         cfg.optim.learning_rate = args.lr
     if args.dropout is not None:
         cfg.model.dropout = args.dropout
+    if args.tie_marks:
+        cfg.model.tie_marks = True
     cfg.loop.progress = not args.no_progress
     return cfg
 

@@ -186,7 +186,14 @@ class EventModel(nnx.Module):
         self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs)
         self.hidden = nnx.Linear(d, d, rngs=rngs)
         self.time_head = nnx.Linear(d, 3 * cfg.num_components, rngs=rngs)
-        self.mark_head = nnx.Linear(d, num_marks, rngs=rngs) if num_marks > 1 else None
+        # tied: the logit of mark k is <context, embedding of k> plus a bias, so that a context
+        # that carries a recent mark's embedding favours repeating it, even for marks rarely
+        # or never seen in training (Wikipedia's 8227 pages)
+        self.tie_marks = cfg.tie_marks and num_marks > 1
+        self.mark_head = (
+            nnx.Linear(d, num_marks, rngs=rngs) if num_marks > 1 and not self.tie_marks else None
+        )
+        self.mark_bias = nnx.Param(jnp.zeros((num_marks,), jnp.float32)) if self.tie_marks else None
 
     def embed(self, time: Array, gap: Array, mark: Array) -> Array:
         """Tokens from event time (since the window's start), standardised log gap, mark.
@@ -215,7 +222,13 @@ class EventModel(nnx.Module):
             shift=self.time_stats[...][0],
             scale=self.time_stats[...][1],
         )
-        marks = self.mark_head(c).astype(jnp.float32) if self.mark_head is not None else None
+        if self.tie_marks:
+            table = self.mark_embed.embedding[...][: self.num_marks]  # [M, d]
+            marks = (c @ table.T + self.mark_bias[...]).astype(jnp.float32)
+        elif self.mark_head is not None:
+            marks = self.mark_head(c).astype(jnp.float32)
+        else:
+            marks = None
         return NextEvent(dist, marks)
 
     def __call__(self, batch) -> NextEvent:

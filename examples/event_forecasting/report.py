@@ -142,10 +142,41 @@ def streaming_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def baseline_table(data_root: str | None) -> str:
+    """Two trivial mark predictors on each marked dataset's test split.
+
+    ``repeat last``: the next mark is the previous event's mark; ``most frequent``: the most
+    frequent mark of the training split. Over the same predicted events as the models.
+    """
+    import numpy as np
+
+    from examples.event_forecasting.data import load_dataset
+
+    lines = [
+        "| dataset | repeat last mark (%) | most frequent training mark (%) |",
+        "|---|---|---|",
+    ]
+    for ds in ("stackoverflow", "taxi", "wikipedia", "hawkes"):
+        d = load_dataset(ds, data_root, max_train_events=None)
+        train_marks = np.concatenate([s.marks[s.predicted()] for s in d.train.seqs])
+        top = np.bincount(train_marks, minlength=d.num_marks).argmax()
+        rep = hit = n = 0
+        for s in d.test.seqs:
+            pred = s.predicted()
+            prev = np.concatenate([[-1], s.marks[:-1]])[pred]  # no previous mark: a miss
+            rep += int(np.sum(prev == s.marks[pred]))
+            hit += int(np.sum(s.marks[pred] == top))
+            n += int(pred.sum())
+        lines.append(f"| {ds} | {100 * rep / n:.2f} | {100 * hit / n:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--results", default=str(REPO_ROOT / "results" / "event_forecasting.json"))
     p.add_argument("--streaming", default=str(REPO_ROOT / "results" / "event_streaming_cpu.json"))
+    p.add_argument("--baselines", action="store_true", help="trivial mark predictors")
+    p.add_argument("--data-root", default=None, help="default: ../shared/data beside the repo")
     args = p.parse_args(argv)
     records = load_records(args.results)
     print(table(records))
@@ -156,6 +187,9 @@ def main(argv=None) -> None:
     if Path(args.streaming).exists():
         print()
         print(streaming_table(Path(args.streaming)))
+    if args.baselines:
+        print()
+        print(baseline_table(args.data_root))
 
 
 if __name__ == "__main__":
