@@ -95,6 +95,15 @@ def make_floor(model: aj.Aaren):
     return lambda x: floor(weights, x)
 
 
+def residual(block: aj.Block, x, attend):
+    """``aj.Block``'s residual structure (eval mode) around ``attend(h) -> (out, cache)``."""
+    pre = block.norm == "pre"
+    h, cache = attend(block.norm1(x) if pre else x)
+    x = x + h if pre else block.norm1(x + h)
+    h = block.mlp_out(block.activation(block.mlp_in(block.norm2(x) if pre else x)))
+    return (x + h if pre else block.norm2(x + h)), cache
+
+
 def make_bh_step(model: aj.Transformer):
     """The Transformer's one-token step at batch 1 with ``[H, C, D]`` caches (in place).
 
@@ -135,9 +144,10 @@ def make_bh_step(model: aj.Transformer):
                 out = jnp.einsum("hts,hsd->htd", w, v_cache) / jnp.sum(w, -1, keepdims=True)
                 return att.o_proj(out.reshape(1, heads * head_dim)), (k_cache, v_cache)
 
-            x, cache = block._residual(x, attend)
+            x, cache = residual(block, x, attend)
             new.append(cache)
-        return tuple(new), pos + 1, module._finish(x)
+        final = module.final_norm
+        return tuple(new), pos + 1, final(x) if final is not None else x
 
     return lambda caches, pos, x: step(leaves, caches, pos, x)
 
