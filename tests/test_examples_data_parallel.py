@@ -82,6 +82,18 @@ SCRIPT = textwrap.dedent(
     )
     leaves = jax.tree.leaves(result.params)
     out["fit_devices"] = sorted({len(x.sharding.device_set) for x in leaves})
+
+    # 3. regular_languages has a loop of its own: the same on 4 devices as on 1.
+    from examples.regular_languages import train as rl_train
+
+    out["languages"] = []
+    for parallel in (False, True):
+        rl_cfg = rl_train.Config(
+            language="parity", model="aaren", num_layers=1, epochs=1, train_size=64,
+            test_size=40, eval_batch_size=40, data_parallel=parallel,
+        )
+        r = rl_train.train_and_evaluate(rl_cfg)
+        out["languages"].append([r["train_loss"], r["bin0"], r["bin1"]])
     print("RESULT" + json.dumps(out))
     """
 )
@@ -110,6 +122,8 @@ def test_one_step_on_four_devices_equals_one_device():
     assert step["max_update"] > 1e-4  # the step moved the parameters ...
     assert step["max_param_diff"] < 1e-6  # ... identically, to float32 round-off
     assert out["fit_devices"] == [4]
+    (loss1, *bins1), (loss4, *bins4) = out["languages"]
+    assert loss4 == pytest.approx(loss1, rel=1e-5) and bins4 == bins1
 
 
 def _free_port() -> int:

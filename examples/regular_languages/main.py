@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from examples.common import setup_logging  # noqa: E402
+from examples.common.parallel import add_distributed_args, initialize_distributed  # noqa: E402
 from examples.common.runs import ConfigMismatchError, RunDir, default_run_dir  # noqa: E402
 from examples.regular_languages import data, train  # noqa: E402
 
@@ -47,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "under workdirs/regular_languages/runs",
     )
     p.add_argument("--overwrite", action="store_true", help="discard the run in --workdir")
+    add_distributed_args(p)
     return p.parse_args(argv)
 
 
@@ -72,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> train.Config:
 def main(argv=None) -> dict:
     setup_logging()
     args = parse_args(argv)
+    initialize_distributed(args)
     cfg = config_from_args(args)
     name = f"{cfg.language}_{cfg.model}_{cfg.seed}"
     workdir = args.workdir or default_run_dir("regular_languages", name, cfg)

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from examples.common.parallel import data_mesh, replicate, shard_batch
 from examples.common.paths import ensure_importable
 from examples.regular_languages import data
 
@@ -78,6 +79,7 @@ class Config:
     test_size: int | None = None  # per bin; None: the paper's (2K; 1K for D_n)
     log_every_epochs: int = 1  # epochs between log lines
     positional: str | None = None  # one of POSITIONAL; None: DEFAULT_POSITIONAL[model]
+    data_parallel: bool = True  # shard each batch over all devices (a no-op on one device)
 
     @property
     def positional_encoding(self) -> str:
@@ -170,8 +172,11 @@ def eval_step(params, rest, tokens, targets, mask, weight, *, graphdef):
     return jnp.sum(exact * weight), jnp.sum(weight)
 
 
-def evaluate(graphdef, params, rest, split: data.Split, batch_size: int) -> float:
-    """Exact-match accuracy on a split (fixed-shape batches, padding rows weighted 0)."""
+def evaluate(graphdef, params, rest, split: data.Split, batch_size: int, mesh=None) -> float:
+    """Exact-match accuracy on a split (fixed-shape batches, padding rows weighted 0).
+
+    ``mesh``: a data-parallel mesh over which each batch is split (None: no split).
+    """
     n = len(split.tokens)
     hits = count = 0.0
     for start in range(0, n, batch_size):
@@ -180,15 +185,11 @@ def evaluate(graphdef, params, rest, split: data.Split, batch_size: int) -> floa
         if len(idx) < batch_size:
             weight[len(idx) :] = 0
             idx = np.concatenate([idx, np.zeros(batch_size - len(idx), idx.dtype)])
-        h, c = eval_step(
-            params,
-            rest,
-            split.tokens[idx],
-            split.targets[idx],
-            split.mask[idx],
-            weight,
-            graphdef=graphdef,
+        b = shard_batch(
+            {"t": split.tokens[idx], "y": split.targets[idx], "m": split.mask[idx], "w": weight},
+            mesh,
         )
+        h, c = eval_step(params, rest, b["t"], b["y"], b["m"], b["w"], graphdef=graphdef)
         hits, count = hits + float(h), count + float(c)
     return hits / count
 
@@ -249,6 +250,12 @@ def train_and_evaluate(
     tx = make_optimizer(cfg, steps_per_epoch)
     opt_state = tx.init(params)
     step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx)
+    # Data parallel: replicated state, each batch split over all devices (None: one device).
+    mesh = data_mesh() if cfg.data_parallel else None
+    if mesh is not None and cfg.batch_size % mesh.size:
+        raise ValueError(f"batch size {cfg.batch_size} is not a multiple of {mesh.size} devices")
+    eval_mesh = mesh if mesh is not None and cfg.eval_batch_size % mesh.size == 0 else None
+    params, opt_state, rest = replicate((params, opt_state, rest), mesh)
 
     desc = f"{cfg.language}/{cfg.model}/seed{cfg.seed}"
     t_train = time.perf_counter()
@@ -259,9 +266,10 @@ def train_and_evaluate(
         losses = []
         for i in range(steps_per_epoch):
             idx = perm[i * cfg.batch_size : (i + 1) * cfg.batch_size]
-            params, opt_state, loss = step_fn(
-                params, opt_state, rest, train.tokens[idx], train.targets[idx], train.mask[idx]
+            b = shard_batch(
+                {"t": train.tokens[idx], "y": train.targets[idx], "m": train.mask[idx]}, mesh
             )
+            params, opt_state, loss = step_fn(params, opt_state, rest, b["t"], b["y"], b["m"])
             losses.append(loss)
         epoch_loss = float(jnp.mean(jnp.stack(losses)))
         history.append(epoch_loss)
@@ -282,12 +290,17 @@ def train_and_evaluate(
 
     model.eval()
     graphdef_eval, _, rest_eval = nnx.split(model, nnx.Param, ...)
+    rest_eval = replicate(rest_eval, mesh)
     result = {
         "language": cfg.language,
         "model": cfg.model,
         "seed": cfg.seed,
-        "bin0": evaluate(graphdef_eval, params, rest_eval, datasets["bin0"], cfg.eval_batch_size),
-        "bin1": evaluate(graphdef_eval, params, rest_eval, datasets["bin1"], cfg.eval_batch_size),
+        "bin0": evaluate(
+            graphdef_eval, params, rest_eval, datasets["bin0"], cfg.eval_batch_size, eval_mesh
+        ),
+        "bin1": evaluate(
+            graphdef_eval, params, rest_eval, datasets["bin1"], cfg.eval_batch_size, eval_mesh
+        ),
         "train_loss": history[-1] if history else None,
         "epochs": cfg.epochs,
         "train_size": n,
