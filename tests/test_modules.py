@@ -330,3 +330,20 @@ def test_dropout_follows_train_and_eval():
     y3, y4 = call(model, x), call(model, x)
     np.testing.assert_array_equal(np.asarray(y3), np.asarray(y4))
     assert float(jnp.max(jnp.abs(y1 - y3))) > 1e-3
+
+
+def test_decode_step_updates_the_kv_cache_in_place():
+    """No copy of a [B, H, C, D] cache in the compiled step (a copy per step made decoding
+    at batch 1 20x slower at C = 16384): the write must come after the reads."""
+    model = aj.Transformer(2, D_MODEL, HEADS, D_FF, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    carry = model.init_carry(1, max_len=37)
+
+    def step(state, carry, x_t):
+        return nnx.merge(graphdef, state).step(carry, x_t)
+
+    compiled = jax.jit(step, donate_argnums=1).lower(state, carry, jnp.ones((1, D_MODEL)))
+    hlo = compiled.compile().as_text()
+    cache_shape = f"f32[1,{HEADS},37,{D_MODEL // HEADS}]"
+    copies = [line for line in hlo.splitlines() if cache_shape in line and " copy(" in line]
+    assert not copies, copies
