@@ -38,9 +38,10 @@ def _fmt(values: list[float], digits: int) -> str:
     if not values:
         return "-"
     mean, std, n = _stats(values)
+    spec = ".3g" if abs(mean) >= 1000 else f".{digits}f"  # RMSE in seconds (Wikipedia)
     if n == 1:
-        return f"{mean:.{digits}f} (1 seed)"
-    return f"{mean:.{digits}f} +- {std:.{digits}f} ({n})"
+        return f"{mean:{spec}} (1 seed)"
+    return f"{mean:{spec}} +- {std:{spec}} ({n})"
 
 
 def table(records: list[dict]) -> str:
