@@ -6,7 +6,9 @@ float64 (the parallel pass, block by block from its carry: float64 round-off is 
 Two float32 carries are streamed: the library's compensated carry (``init_carry``: Kahan
 terms for ``u`` and ``w``) and a plain ``(m, u, w)`` carry, whose one rounding per token
 drifts. The relative error is ``max |y32 - y64| / max |y64|`` over the block that ends at
-each checkpoint. The per-token cost of the two carries is timed interleaved, in one run.
+each checkpoint. The per-token cost of the two carries is timed interleaved, in one run:
+through ``aj.stream`` on this small model, and through ``make_step_fn``'s step on the
+streaming benchmark's model (4 layers, d = 256, batch 1).
 
     python benchmarks/streaming_precision.py            # 10^6 tokens, ~5 min on 2 cores
     python benchmarks/streaming_precision.py --tokens 100000 --out /tmp/p.json
@@ -39,11 +41,40 @@ def tokens(seed: int, start: int, count: int, dtype) -> jax.Array:
     return jax.random.normal(key, (1, count, D_MODEL), jnp.float32).astype(dtype)
 
 
+def step_cost(rounds: int, steps: int = 50) -> dict:
+    """Per-token time of ``make_step_fn``'s step on the streaming benchmark's model (4 layers,
+    d = 256, H = 4, d_ff = 1024, batch 1), compensated against plain carry, interleaved."""
+    model = aj.Aaren(4, 256, 4, 1024, rngs=nnx.Rngs(0))
+    step_fn, state = aj.make_step_fn(model)
+    x = jnp.ones((1, 256))
+    fresh = {
+        "compensated": lambda: model.init_carry(1),
+        "plain": lambda: plain(model.init_carry(1)),
+    }
+    carries = {name: make() for name, make in fresh.items()}
+    times = {name: [] for name in fresh}
+    for round_ in range(rounds + 1):
+        for name in fresh:
+            carry = carries[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                carry, y = step_fn(state, carry, x)
+            jax.block_until_ready(y)
+            if round_:  # the first round compiles and warms up
+                times[name].append((time.perf_counter() - start) / steps)
+            carries[name] = carry
+    out = {name: summary(t, scale=1e6) for name, t in times.items()}
+    out["compensated_over_plain_median"] = round(
+        out["compensated"]["median"] / out["plain"]["median"], 3
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--block", type=int, default=10_000)
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds")
     parser.add_argument("--out", default=str(REPO / "results" / "streaming_precision_cpu.json"))
     args = parser.parse_args()
     info = machine_info()
@@ -93,6 +124,7 @@ def main() -> None:
             carry = carries[name]
             times[name] += repeat(lambda c=carry: aj.stream(model, c, x), 1, warmup=1)
     per_token_us = {name: summary(t, scale=1e6 / args.block) for name, t in times.items()}
+    step_us = step_cost(args.rounds)
     write_json(
         args.out,
         {
@@ -107,6 +139,7 @@ def main() -> None:
             "compensated_over_plain_median": round(
                 per_token_us["compensated"]["median"] / per_token_us["plain"]["median"], 3
             ),
+            "step_fn_us_streaming_model": step_us,
             "wall_s": round(time.perf_counter() - start_time, 1),
         },
     )
