@@ -740,12 +740,12 @@ class CausalSelfAttention(_Attention):
                 raise ValueError(f"max_len={max_len} cannot hold the T = {length} tokens of x")
             cache = self._init_own_carry(batch, capacity)
         else:
+            check_capacity(cache, length)  # eager: names the position
             if length > cache.capacity:  # a static shape: an error even under a trace
                 raise ValueError(
                     f"KV cache overflow: capacity {cache.capacity}, cannot write T = {length} "
                     "tokens; call init_carry with a larger max_len"
                 )
-            check_capacity(cache, length)
             # The cache's valid slots all hold earlier tokens: every new query sees them.
             old = (cache.k, cache.v, cache.valid[:, None, None, :])
             new = (keys.astype(cache.k.dtype), values.astype(cache.v.dtype), new[2])
