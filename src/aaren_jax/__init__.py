@@ -3,6 +3,8 @@
 The core (``scan``) is pure functions; the modules wire parameters to it.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from aaren_jax.attention import (
     AarenAttention,
     CausalSelfAttention,
@@ -33,6 +35,11 @@ from aaren_jax.scan import (
     resolve_method,
 )
 from aaren_jax.sharding import sequence_parallel_prefix_attention
+
+try:
+    __version__ = version("aaren-jax")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Aaren",
