@@ -439,8 +439,9 @@ def _prefix_states_single(leaves: AttentionState, init: AttentionState) -> Atten
 def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> str:
     """The named method ``prefix_attention`` runs for ``method`` at this length and backend.
 
-    ``"auto"`` resolves by backend and shape: one token takes ``"single"`` (one
-    ``combine``); on CPU, sequences of ``BLOCKED_MIN_TOKENS`` or more take ``"blocked"``,
+    One token takes ``"single"`` (one ``combine``) whatever the method: a layer's ``step``
+    is that, and a compensated carry keeps its error terms. ``"auto"`` resolves by backend
+    and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` or more take ``"blocked"``,
     the fastest method at every length ``benchmarks/scan.py`` measured there, forward and
     backward (``results/scan_cpu.json``); shorter ones, and other backends (not measured
     here), the paper's ``"associative"`` scan. ``"blocked"`` has a custom reverse-mode
@@ -457,10 +458,12 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if num_tokens == 1:
+        # Every method computes the same one combine; "single" also keeps a compensated
+        # state's error terms (the blocked kernel folds them in), so streaming does not drift.
+        return "single"
     if method != "auto":
         return method
-    if num_tokens == 1:
-        return "single"
     on_cpu = (backend or jax.default_backend()) == "cpu"
     return "blocked" if on_cpu and num_tokens >= BLOCKED_MIN_TOKENS else "associative"
 
