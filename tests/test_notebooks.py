@@ -34,7 +34,14 @@ def kernel_name(tmp_path, monkeypatch):
     return KERNEL
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb"])
+# Each notebook, and a line its own checks print when they pass (None: errors only).
+EXPECTED = {
+    "quickstart.ipynb": None,
+    "event_forecasting.ipynb": "largest difference from the parallel pass",
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_notebook_runs(name, kernel_name):
     path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
@@ -56,4 +63,9 @@ def test_notebook_runs(name, kernel_name):
         out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"
     ]
     assert not errors
+    if EXPECTED[name] is not None:
+        outputs = [out for cell in nb.cells for out in cell.get("outputs", [])]
+        text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+        assert EXPECTED[name] in text
+        assert any("image/png" in out.get("data", {}) for out in outputs)
     print(f"{name}: {elapsed:.1f} s")
