@@ -144,11 +144,14 @@ def sequence_parallel_prefix_attention(
         same), T not divisible by the axis size, or a batch axis on unbatched inputs.
 
     Example:
+      >>> s, v = jnp.zeros((2, 8)), jnp.ones((2, 8, 4))  # T = 8: a multiple of the devices
       >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
       >>> out, state = sequence_parallel_prefix_attention(s, v, mesh=mesh, axis_name="seq")
       >>> def loss(s):
       ...     return sequence_parallel_prefix_attention(s, v, mesh=mesh, axis_name="seq")[0].sum()
       >>> grads = jax.grad(loss)(s)  # eagerly or under jax.jit
+      >>> out.shape, grads.shape
+      ((2, 8, 4), (2, 8))
     """
     scores, values = jnp.asarray(scores), jnp.asarray(values)
     if values.shape[:-1] != scores.shape:
