@@ -1,6 +1,9 @@
 """Executes the notebooks with nbclient, in a kernel that runs this interpreter (the venv's).
 
-The notebooks are committed without outputs; this runs them top to bottom, so they cannot rot.
+Some notebooks are committed with the outputs of a run (so they read on GitHub without
+running); the suite clears them and runs every notebook top to bottom, so none can rot. Each
+runs its small default configuration; ``AAREN_NOTEBOOK_FULL=1`` selects a larger one where a
+notebook has one (never in the suite).
 """
 
 import json
@@ -27,7 +30,7 @@ def kernel_name(tmp_path, monkeypatch):
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "aaren_jax tests",
         "language": "python",
-        "env": {"MPLBACKEND": "Agg", "JAX_PLATFORMS": "cpu"},
+        "env": {"MPLBACKEND": "Agg", "JAX_PLATFORMS": "cpu", "AAREN_NOTEBOOK_FULL": "0"},
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
@@ -38,6 +41,7 @@ def kernel_name(tmp_path, monkeypatch):
 EXPECTED = {
     "quickstart.ipynb": None,
     "event_forecasting.ipynb": "largest difference from the parallel pass",
+    "streaming.ipynb": "reloaded step, 48 tokens: largest difference from the parallel pass",
 }
 
 
@@ -45,11 +49,9 @@ EXPECTED = {
 def test_notebook_runs(name, kernel_name):
     path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
-    assert all(
-        not cell.get("outputs") and cell.get("execution_count") is None
-        for cell in nb.cells
-        if cell.cell_type == "code"
-    ), f"{name} must be committed without outputs"
+    for cell in nb.cells:  # committed outputs are not evidence: run from scratch
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     # A first cell, not saved, that reports which interpreter the kernel runs.
     nb.cells.insert(0, nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
     client = nbclient.NotebookClient(
