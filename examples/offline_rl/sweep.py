@@ -1,0 +1,123 @@
+"""Resumable sweep: environment x dataset x model x seed, records appended as runs finish.
+
+    python examples/offline_rl/sweep.py --results results/offline_rl.json
+    python examples/offline_rl/sweep.py --envs hopper --datasets medium --seeds 0 --dry-run
+
+Records ``{"env", "dataset", "model", "seed", "eval", "score", "score_own", "return",
+"eval_episodes", "ms_per_env_step", "wall_s", ...}`` (``eval``: ``window`` for both models,
+and ``stream`` for Aaren) go to ``--results`` (default ``workdirs/offline_rl/results.json``;
+the committed table is ``results/offline_rl.json``). Runs already recorded are skipped; an
+interrupted run resumes from its checkpoints in its run folder (keyed by its configuration).
+Runs go seed-major and, within an environment and dataset, the Transformer then Aaren, so an
+interrupted sweep leaves complete pairs behind. Environments whose datasets are not generated
+yet are skipped with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from examples.common import (  # noqa: E402
+    append_record,
+    default_run_dir,
+    load_records,
+    record_key,
+    results_path,
+    setup_logging,
+)
+from examples.common.paths import ensure_importable  # noqa: E402
+from examples.offline_rl import configs, train  # noqa: E402
+from examples.offline_rl.data import dataset_id, default_root, set_data_root  # noqa: E402
+
+KEY = ("env", "dataset", "model", "seed")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--envs", nargs="+", default=list(configs.ENV_IDS))
+    p.add_argument("--datasets", nargs="+", default=list(configs.DATASETS))
+    p.add_argument("--models", nargs="+", default=["transformer", "aaren"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--results", default=None, help="default: workdirs/offline_rl/results.json")
+    p.add_argument("--data-root", default=None, help="Minari datasets (default: workdirs/...)")
+    p.add_argument("--steps", type=int, default=None, help="training updates per run")
+    p.add_argument("--eval-episodes", type=int, default=None)
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
+    p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return p.parse_args(argv)
+
+
+def run_config(args, env: str, ds: str, model: str, seed: int) -> configs.Config:
+    cfg = configs.get_config(env, ds, model, seed)
+    cfg.data.data_root = args.data_root
+    if args.steps is not None:
+        per_epoch = cfg.loop.steps_per_epoch
+        cfg.loop.max_epochs = max(1, args.steps // per_epoch)
+        cfg.optim.warmup_steps = max(1, cfg.loop.max_epochs * per_epoch // 10)
+    if args.eval_episodes is not None:
+        cfg.eval.eval_episodes = args.eval_episodes
+    cfg.loop.progress = not args.no_progress
+    return cfg
+
+
+def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
+    """The (env, dataset, model, seed) runs not yet recorded, seed-major."""
+    return [
+        (env, ds, model, seed)
+        for seed in args.seeds
+        for env in args.envs
+        for ds in args.datasets
+        for model in args.models
+        if (env, ds, model, seed) not in done
+    ]
+
+
+def main(argv=None) -> None:
+    setup_logging()
+    ensure_importable()
+    args = parse_args(argv)
+    results = results_path(args.results, "offline_rl")
+    done = {record_key(r, KEY) for r in load_records(results)}
+    runs = pending_runs(args, done)
+    logging.info("%d runs recorded, %d pending", len(done), len(runs))
+    if args.dry_run:
+        for run in runs:
+            print(*run)  # the listing is the command's output
+        return
+    import minari
+
+    root = Path(args.data_root) if args.data_root else default_root()
+    set_data_root(root)
+    local = set(minari.list_local_datasets())
+    cache: dict[tuple, train.Trajectories] = {}
+    new = 0
+    for env, ds, model, seed in runs:
+        if args.max_runs is not None and new >= args.max_runs:
+            break
+        if dataset_id(env, ds) not in local:
+            logging.warning("%s not generated yet (generate.py --env %s): skipped", ds, env)
+            continue
+        # re-read: another sweep process may have recorded this run meanwhile
+        if (env, ds, model, seed) in {record_key(r, KEY) for r in load_records(results)}:
+            continue
+        cfg = run_config(args, env, ds, model, seed)
+        if (env, ds) not in cache:
+            cache.clear()
+            cache[(env, ds)] = train.load_data(cfg)
+        workdir = default_run_dir("offline_rl", f"{env}-{ds}-{model}-{seed}", cfg)
+        records = train.train_and_evaluate(cfg, str(workdir), traj=cache[(env, ds)])
+        for record in records:
+            append_record(results, record)
+        new += 1
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Training and online evaluation of one offline-RL run (environment, dataset, model, seed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from examples.common import fit
+from examples.common.runs import RunDir
+from examples.offline_rl import evaluate as ev
+from examples.offline_rl.configs import D4RL_REF, ENV_IDS, TARGET_RETURNS, Config
+from examples.offline_rl.data import (
+    SequenceData,
+    Trajectories,
+    dataset_id,
+    default_root,
+    load_trajectories,
+    validation_subset,
+)
+from examples.offline_rl.model import DecisionModel, eval_fn, loss_fn
+
+VAL_WINDOWS = 512  # fixed windows of the training data on which the fit MSE is logged
+
+
+def load_data(config: Config) -> Trajectories:
+    """The run's dataset: ``config.data.dataset_id`` if set, else the generated one."""
+    dc = config.data
+    return load_trajectories(dc.dataset_id or dataset_id(dc.env, dc.dataset), dc.data_root)
+
+
+def build_model(config: Config, traj: Trajectories) -> DecisionModel:
+    """The model for ``traj``'s observation and action sizes, from the run's seed."""
+    seed = config.loop.seed
+    return DecisionModel(
+        config.model, traj.obs_dim, traj.act_dim, rngs=nnx.Rngs(params=seed, dropout=seed + 1)
+    )
+
+
+def own_reference(config: Config, traj: Trajectories) -> tuple[float, float] | None:
+    """(random, expert) returns of our own behaviour policies: the dataset's metadata, else
+    the generator's manifest (medium-expert, a combined dataset, has no metadata)."""
+    if traj.ref_scores is not None:
+        return traj.ref_scores
+    root = Path(config.data.data_root) if config.data.data_root else default_root()
+    path = root / "manifest.json"
+    if not path.exists():
+        return None
+    entry = json.loads(path.read_text()).get(config.data.env)
+    if entry is None:
+        return None
+    return entry["random_policy_return"], entry["expert_policy_return"]
+
+
+def make_env_fn(env: str):
+    import gymnasium as gym
+
+    return lambda: gym.make(ENV_IDS[env])
+
+
+def evaluate_online(model: DecisionModel, config: Config, traj: Trajectories, mode: str) -> dict:
+    """Scores of ``model`` over ``config.eval.eval_episodes`` episodes in ``mode``."""
+    ec, env = config.eval, config.data.env
+    target = ec.target_return if ec.target_return is not None else TARGET_RETURNS[env][0]
+    kw = dict(
+        target_return=target,
+        state_mean=traj.state_mean,
+        state_std=traj.state_std,
+        reward_scale=config.data.reward_scale,
+        seed=ec.seed,
+    )
+    make_env = make_env_fn(env)
+    policy = ev.make_policy(mode, model, ec.eval_episodes, traj.obs_dim, traj.act_dim)
+    out = ev.rollout(policy, make_env, ec.eval_episodes, **kw)
+    ms = ev.ms_per_env_step(
+        mode, model, make_env, traj.obs_dim, traj.act_dim, ec.timing_steps, **kw
+    )
+    score = ev.normalised(out.returns, D4RL_REF[env])
+    own = own_reference(config, traj)
+    own_score = ev.normalised(out.returns, own) if own is not None else None
+    return {
+        "score": float(np.mean(score)),
+        "score_std": float(np.std(score)),
+        "score_own": None if own_score is None else float(np.mean(own_score)),
+        "return": float(np.mean(out.returns)),
+        "return_std": float(np.std(out.returns)),
+        "episode_len": float(np.mean(out.lengths)),
+        "eval_episodes": int(ec.eval_episodes),
+        "target_return": float(target),
+        "ms_per_env_step": ms,
+        "eval_wall_s": out.wall_s,
+    }
+
+
+def modes(config: Config) -> list[str]:
+    """The evaluation modes of a run: the window; and the stream for Aaren (if enabled)."""
+    stream = config.eval.stream and config.model.backbone == "aaren"
+    return ["window", "stream"] if stream else ["window"]
+
+
+def fit_model(config: Config, traj: Trajectories, workdir: str | None):
+    """``fit`` on the dataset's windows for ``max_epochs x steps_per_epoch`` updates, logging
+    the action MSE on ``VAL_WINDOWS`` fixed windows; resumes from ``workdir``'s checkpoints.
+
+    Returns ``fit``'s ``TrainResult`` (``params``: the last parameters).
+    """
+    k, scale = config.model.seq_len, config.data.reward_scale
+    train = SequenceData(traj, k, scale)
+    val = SequenceData(traj, k, scale, validation_subset(len(train), VAL_WINDOWS, 0))
+    return fit(
+        build_model(config, traj),
+        loss_fn,
+        eval_fn,
+        train,
+        val,
+        monitor="mse",
+        mode="min",
+        loop=config.loop,
+        optim=config.optim,
+        workdir=workdir,
+        tokens_per_example=3 * k,
+        desc=f"{config.data.env}-{config.data.dataset}-{config.model.backbone}",
+    )
+
+
+def train_and_evaluate(
+    config: Config,
+    workdir: str | None,
+    traj: Trajectories | None = None,
+    *,
+    overwrite: bool = False,
+) -> list[dict]:
+    """Trains for a fixed number of updates, then evaluates the last parameters online.
+
+    Args:
+      config: the run's configuration.
+      workdir: the run folder (``examples.common.runs.RunDir``): its ``config.json`` must
+        match ``config``; an unfinished run resumes from its checkpoints, a finished one
+        returns its stored records. None keeps nothing on disk.
+      traj: the preloaded dataset (must match ``config.data``).
+      overwrite: discard the run ``workdir`` holds and start fresh.
+
+    Returns:
+      One record per evaluation mode: ``{"env", "dataset", "model", "seed", "eval", "score",
+      "score_std", "score_own", "return", "return_std", "eval_episodes", "target_return",
+      "ms_per_env_step", "train_steps", "train_wall_s", "wall_s", ...}``; ``score`` is D4RL's
+      normalised score, ``score_own`` the one with our own random and expert policies.
+    """
+    t0 = time.perf_counter()
+    run = RunDir(workdir, config, overwrite=overwrite) if workdir is not None else None
+    if run is not None and (stored := run.finished_result()) is not None:
+        logging.info("%s: finished already; its stored records are returned", run.path)
+        return stored["records"]
+    if traj is None:
+        traj = load_data(config)
+    logging.info(
+        "%s: %d transitions in %d episodes", traj.name, traj.num_transitions, len(traj.actions)
+    )
+    result = fit_model(config, traj, None if run is None else str(run.path))
+    n_params = sum(x.size for x in jax.tree.leaves(result.params))
+    train_wall = result.prior_wall_s + result.wall_s
+    model = result.model
+    nnx.update(model, result.params)  # CORL evaluates the last parameters, not a "best" one
+    records = []
+    for mode in modes(config):
+        scores = evaluate_online(model, config, traj, mode)
+        records.append(
+            {
+                "env": config.data.env,
+                "dataset": config.data.dataset,
+                "model": config.model.backbone,
+                "seed": config.loop.seed,
+                "eval": mode,
+                **scores,
+                "dataset_id": traj.name,
+                "transitions": traj.num_transitions,
+                "train_steps": result.step,
+                "finished": bool(result.done),
+                "fit_mse": result.history[-1]["val_mse"] if result.history else None,
+                "params": int(n_params),
+                "train_wall_s": train_wall,
+                "wall_s": train_wall + time.perf_counter() - t0 - result.wall_s,
+            }
+        )
+        logging.info("result %s", records[-1])
+    if run is not None:
+        run.write_result(
+            records[0],
+            result.history,
+            finished=result.done,
+            plot_keys=("train_loss", "val_mse"),
+            extra={"records": records, "config": dataclasses.asdict(config)},
+        )
+    return records

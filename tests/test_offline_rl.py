@@ -1,0 +1,150 @@
+"""The offline-RL example: data round trip, SAC, Decision Transformer / Aaren, streaming, resume."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("minari")
+pytest.importorskip("gymnasium")
+pytest.importorskip("mujoco")
+
+from flax import nnx  # noqa: E402
+
+from examples.offline_rl import configs, data, generate, model, sac, train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """A tiny Hopper generation: SAC for 400 steps, datasets of ~300 transitions."""
+    root = tmp_path_factory.mktemp("minari")
+    cfg = configs.tiny_gen_config()
+    entry = generate.generate("hopper", cfg, root)
+    return root, cfg, entry
+
+
+def _rtg_reference(rewards):
+    out, acc = np.zeros(len(rewards)), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        acc += float(rewards[t])
+        out[t] = acc
+    return out
+
+
+def test_writer_reader_round_trip(generated):
+    root, cfg, entry = generated
+    for name in configs.DATASETS:
+        meta = entry["datasets"][name]
+        tr = data.load_trajectories(data.dataset_id("hopper", name), root)
+        assert tr.num_transitions == meta["transitions"]
+        assert len(tr.actions) == meta["episodes"]
+        assert tr.obs_dim == 11 and tr.act_dim == 3
+        for rew, ret in zip(tr.rewards, tr.returns, strict=True):
+            np.testing.assert_allclose(ret, _rtg_reference(rew), rtol=1e-5, atol=1e-4)
+        allobs = np.concatenate(tr.observations)
+        np.testing.assert_allclose(tr.state_mean, allobs.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(tr.state_std, allobs.std(0) + 1e-6, rtol=1e-5, atol=1e-6)
+    # medium-replay is the replay buffer's prefix, read back from its folder (a path works too)
+    tr = data.load_trajectories(root / data.dataset_id("hopper", "medium-replay"))
+    assert tr.num_transitions == entry["medium_step"]
+    me = entry["datasets"]
+    assert me["medium-expert"]["transitions"] == (
+        me["medium"]["transitions"] + me["expert"]["transitions"]
+    )
+    # the windows: normalised states, scaled returns-to-go, padding after the episode's end
+    seq = data.SequenceData(tr, 4, 1e-3)
+    last = len(seq) - 1  # the last transition: one step inside, three padded
+    b = seq.batch(np.array([0, last]))
+    np.testing.assert_allclose(
+        b["states"][0], (tr.observations[0][:4] - tr.state_mean) / tr.state_std, rtol=1e-5
+    )
+    np.testing.assert_allclose(b["returns"][0], tr.returns[0][:4] * 1e-3, rtol=1e-5)
+    np.testing.assert_array_equal(b["mask"][1], [1, 0, 0, 0])
+    np.testing.assert_array_equal(b["timesteps"][1][1:] - b["timesteps"][1][:-1], [1, 1, 1])
+
+
+def test_sac_update(generated):
+    # the generator's sizes (Hopper, the tiny SAC): its compiled update is reused
+    sc = configs.tiny_gen_config().sac
+    nets, state = sac.init_sac(11, 3, sc, 0)
+    rng = np.random.default_rng(0)
+    k, b = sc.update_every, sc.batch_size
+    batch = {
+        "obs": rng.normal(size=(k, b, 11)).astype(np.float32),
+        "action": rng.uniform(-1, 1, (k, b, 3)).astype(np.float32),
+        "reward": rng.normal(size=(k, b)).astype(np.float32),
+        "next_obs": rng.normal(size=(k, b, 11)).astype(np.float32),
+        "terminal": (rng.uniform(size=(k, b)) < 0.2).astype(np.float32),
+    }
+    before = jax.tree.map(np.array, state)
+    state, info = sac.update_many(nets, state, batch, jax.random.key(1))
+    assert all(np.isfinite(float(v)) for v in info.values())
+    assert int(state.steps) == k
+    for name in ("actor", "critic", "target_critic", "log_alpha"):
+        changed = jax.tree.map(
+            lambda a, b: not np.allclose(a, b), getattr(before, name), getattr(state, name)
+        )
+        assert any(jax.tree.leaves(changed)), name
+    a = sac.act(nets, state.actor, batch["obs"][0], jax.random.key(2))
+    assert a.shape == (b, 3) and np.all(np.abs(np.asarray(a)) <= 1)
+
+
+@pytest.mark.parametrize("backbone", ["transformer", "aaren"])
+def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
+    root, _, entry = generated
+    cfg = configs.tiny_config("hopper", "medium", backbone)
+    cfg.data.data_root = str(root)
+    records = train.train_and_evaluate(cfg, str(tmp_path / backbone))
+    assert [r["eval"] for r in records] == (
+        ["window", "stream"] if backbone == "aaren" else ["window"]
+    )
+    for r in records:
+        assert r["model"] == backbone and r["env"] == "hopper" and r["dataset"] == "medium"
+        assert r["train_steps"] == 2 and r["finished"]
+        assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
+        ref = (entry["random_policy_return"], entry["expert_policy_return"])
+        assert r["score_own"] == pytest.approx(100 * (r["return"] - ref[0]) / (ref[1] - ref[0]))
+    # a finished run folder returns its records without training again
+    assert train.train_and_evaluate(cfg, str(tmp_path / backbone)) == records
+
+
+def test_aaren_stream_equals_parallel():
+    cfg = configs.tiny_config(backbone="aaren").model
+    m = model.DecisionModel(cfg, 5, 2, rngs=nnx.Rngs(0))
+    m.eval()
+    t_len, rng = 7, np.random.default_rng(0)
+    states = jnp.asarray(rng.normal(size=(2, t_len, 5)), jnp.float32)
+    actions = jnp.asarray(rng.uniform(-1, 1, (2, t_len, 2)), jnp.float32)
+    returns = jnp.asarray(rng.normal(size=(2, t_len)), jnp.float32)
+    timesteps = jnp.broadcast_to(jnp.arange(t_len, dtype=jnp.int32), (2, t_len))
+    parallel = nnx.jit(lambda m, *x: m(*x))(m, states, actions, returns, timesteps)
+    start, step = nnx.jit(model.stream_start), nnx.jit(model.stream_next)
+    carry, a = start(m, returns[:, 0], states[:, 0])
+    streamed = [a]
+    for t in range(1, t_len):
+        ts = jnp.full((2,), t, jnp.int32)
+        carry, a = step(m, carry, actions[:, t - 1], returns[:, t], states[:, t], ts)
+        streamed.append(a)
+    np.testing.assert_allclose(np.stack(streamed, 1), parallel, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_gives_the_same_parameters(generated, tmp_path):
+    root, _, _ = generated
+    cfg = configs.tiny_config("hopper", "medium-replay", "transformer")
+    cfg.data.data_root = str(root)
+    # checkpoints only where a run stops: after step 1 (max_steps) and at the end
+    cfg.loop = dataclasses.replace(cfg.loop, steps_per_epoch=2, max_epochs=2, checkpoint_every=9)
+    traj = train.load_data(cfg)
+    straight = train.fit_model(cfg, traj, None)
+    cut = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, max_steps=1))
+    first = train.fit_model(cut, traj, str(tmp_path))
+    assert first.step == 1 and not first.done
+    resumed = train.fit_model(cfg, traj, str(tmp_path))
+    assert resumed.step == 4 and resumed.done
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        straight.params,
+        resumed.params,
+    )
