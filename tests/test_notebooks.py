@@ -42,6 +42,7 @@ EXPECTED = {
     "quickstart.ipynb": None,
     "event_forecasting.ipynb": "largest difference from the parallel pass",
     "forecasting.ipynb": "output rebuilt from the weights vs the layer's output",
+    "rsa.ipynb": "P V, matrix form against the recurrence: largest difference",
     "streaming.ipynb": "reloaded step, 48 tokens: largest difference from the parallel pass",
     "offline_rl.ipynb": "largest difference from the parallel pass",
 }
