@@ -148,3 +148,22 @@ def test_resume_gives_the_same_parameters(generated, tmp_path):
         straight.params,
         resumed.params,
     )
+
+
+def test_sac_resume_gives_the_same_agent(tmp_path):
+    """Stopped at an episode end and resumed, the agent and buffer equal an uninterrupted run."""
+    cfg = configs.tiny_gen_config()
+    cfg = dataclasses.replace(cfg, sac_steps=300, snapshot_every=300, save_every_s=1e9)
+    straight = generate.train_behaviour("hopper", cfg, tmp_path / "a")
+    part = generate.train_behaviour("hopper", cfg, tmp_path / "b", stop_after=250)
+    assert 250 <= part["env_steps"] < 300 and not part["done"]
+    resumed = generate.train_behaviour("hopper", cfg, tmp_path / "b")
+    assert resumed["done"] and resumed["buffer"].size == straight["buffer"].size == 300
+    for name, a in straight["buffer"].arrays.items():
+        np.testing.assert_array_equal(a, resumed["buffer"].arrays[name], err_msg=name)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        straight["state"],
+        resumed["state"],
+    )
+    assert straight["snapshot_returns"] == resumed["snapshot_returns"]

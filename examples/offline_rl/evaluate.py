@@ -61,6 +61,7 @@ def _stream_start(graphdef, params, returns, states, max_len):
 
 @functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="carry")
 def _stream_next(graphdef, params, carry, prev_actions, returns, states, t):
+    t = jnp.full(returns.shape, t, jnp.int32)
     return stream_next(nnx.merge(graphdef, params), carry, prev_actions, returns, states, t)
 
 
@@ -108,20 +109,12 @@ class StreamPolicy:
         self.carry = None
 
     def __call__(self, t: int, states, returns, prev_actions) -> np.ndarray:
+        # host arrays straight into the jitted calls: one dispatch per environment step
         if t == 0:
-            self.carry, a = _stream_start(
-                self.graphdef, self.params, jnp.asarray(returns), jnp.asarray(states), self.max_len
-            )
+            self.carry, a = _stream_start(self.graphdef, self.params, returns, states, self.max_len)
         else:
-            ts = jnp.full((states.shape[0],), t, jnp.int32)
             self.carry, a = _stream_next(
-                self.graphdef,
-                self.params,
-                self.carry,
-                jnp.asarray(prev_actions),
-                jnp.asarray(returns),
-                jnp.asarray(states),
-                ts,
+                self.graphdef, self.params, self.carry, prev_actions, returns, states, np.int32(t)
             )
         return np.asarray(a)
 

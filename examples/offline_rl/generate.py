@@ -157,12 +157,21 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def train_behaviour(env_name: str, cfg: GenConfig, workdir: Path) -> dict:
+def train_behaviour(
+    env_name: str, cfg: GenConfig, workdir: Path, stop_after: int | None = None
+) -> dict:
     """Trains (or resumes) the SAC agent; returns its buffer, snapshots and their returns.
+
+    Args:
+      env_name: hopper, halfcheetah or walker2d.
+      cfg: the generator's configuration.
+      workdir: where the agent's checkpoints live (resumes from them).
+      stop_after: stop (checkpointed, resumable) at the first episode end after this many
+        environment steps in total; None: train to ``cfg.sac_steps``.
 
     Returns:
       ``{"nets", "state", "buffer", "snapshots" (stacked actors [n, ...]), "snapshot_steps",
-      "snapshot_returns", "wall_s"}``.
+      "snapshot_returns", "env_steps", "done", "wall_s"}``.
     """
     env = make_env(env_name)
     obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
@@ -200,7 +209,8 @@ def train_behaviour(env_name: str, cfg: GenConfig, workdir: Path) -> dict:
     key = jax.random.key(cfg.seed)
     recent: list[float] = []
     info = None
-    while env_steps < cfg.sac_steps:
+    stop = cfg.sac_steps if stop_after is None else min(stop_after, cfg.sac_steps)
+    while env_steps < stop:
         obs, _ = env.reset(seed=_reset_seed(cfg.seed, STREAM_TRAIN, episode))
         done, ep_ret = False, 0.0
         while not done and env_steps < cfg.sac_steps:
@@ -241,7 +251,7 @@ def train_behaviour(env_name: str, cfg: GenConfig, workdir: Path) -> dict:
                 )
         episode += 1
         recent.append(ep_ret)
-        if time.perf_counter() - last_save > cfg.save_every_s or env_steps >= cfg.sac_steps:
+        if time.perf_counter() - last_save > cfg.save_every_s or env_steps >= stop:
             save()
             last_save = time.perf_counter()
     ckpt.close()
@@ -254,6 +264,8 @@ def train_behaviour(env_name: str, cfg: GenConfig, workdir: Path) -> dict:
         "snapshots": snapshots,
         "snapshot_steps": steps,
         "snapshot_returns": snap_returns,
+        "env_steps": env_steps,
+        "done": env_steps >= cfg.sac_steps,
         "wall_s": wall + time.perf_counter() - t0,
     }
 
@@ -290,15 +302,24 @@ def _update_manifest(root: Path, env_name: str, entry: dict) -> None:
         os.replace(tmp, path)
 
 
-def generate(env_name: str, cfg: GenConfig, data_root: str | os.PathLike | None = None) -> dict:
+def generate(
+    env_name: str,
+    cfg: GenConfig,
+    data_root: str | os.PathLike | None = None,
+    stop_after: int | None = None,
+) -> dict | None:
     """Trains the behaviour agent (resuming) and writes the three datasets; returns the
-    manifest entry of ``env_name`` (also written to ``<data root>/manifest.json``)."""
+    manifest entry of ``env_name`` (also written to ``<data root>/manifest.json``), or None
+    when ``stop_after`` stopped the agent's training before its end (run again to resume)."""
     import minari
 
     root = rl_data.set_data_root(data_root)
     workdir = root / "behaviour" / f"{env_name}-seed{cfg.seed}-steps{cfg.sac_steps}"
     workdir.mkdir(parents=True, exist_ok=True)
-    beh = train_behaviour(env_name, cfg, workdir)
+    beh = train_behaviour(env_name, cfg, workdir, stop_after)
+    if not beh["done"]:
+        logging.info("%s: SAC stopped at %d steps; run again to resume", env_name, beh["env_steps"])
+        return None
     nets, rets = beh["nets"], np.asarray(beh["snapshot_returns"])
     if len(rets) == 0:
         raise ValueError("no policy snapshot: --sac-steps must be at least --snapshot-every")
@@ -399,6 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=d.size, help="transitions per rollout dataset")
     p.add_argument("--medium-fraction", type=float, default=d.medium_fraction)
     p.add_argument("--save-every-s", type=float, default=d.save_every_s)
+    p.add_argument("--stop-after", type=int, default=None, help="SAC steps, then stop (resume)")
     return p.parse_args(argv)
 
 
@@ -414,7 +436,7 @@ def main(argv=None) -> None:
         save_every_s=args.save_every_s,
     )
     for env_name in args.env:
-        generate(env_name, cfg, args.data_root)
+        generate(env_name, cfg, args.data_root, args.stop_after)
 
 
 if __name__ == "__main__":

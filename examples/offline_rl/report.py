@@ -1,0 +1,69 @@
+"""The README's results table from the sweep's records: ``python
+examples/offline_rl/report.py results/offline_rl.json``.
+
+One row per (environment, dataset): the D4RL-normalised score of the Decision Transformer and
+of Decision Aaren (windowed, as trained; and streamed over the whole episode), mean ± standard
+deviation over seeds (and the number of seeds), our own normalised score (random = 0, our
+expert SAC policy = 100), and the milliseconds per environment step of each evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from examples.common import load_records  # noqa: E402
+from examples.offline_rl.configs import DATASETS, ENV_IDS  # noqa: E402
+
+COLUMNS = (("transformer", "window"), ("aaren", "window"), ("aaren", "stream"))
+HEADER = "Decision Transformer | Decision Aaren (window) | Decision Aaren (stream)"
+
+
+def _cell(values) -> str:
+    v = np.asarray([x for x in values if x is not None], float)
+    if not len(v):
+        return "-"
+    return f"{v.mean():.1f} ± {v.std():.1f} ({len(v)})"
+
+
+def table(records: list[dict]) -> str:
+    """A Markdown table of the records (see the module docstring)."""
+    lines = [
+        f"| env | dataset | {HEADER} | own-normalised DT / DA / DA stream | ms per env step "
+        "DT / DA / DA stream |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for env in ENV_IDS:
+        for ds in DATASETS:
+            rows = [r for r in records if r["env"] == env and r["dataset"] == ds]
+            if not rows:
+                continue
+            by = {
+                c: [r for r in rows if (r["model"], r.get("eval", "window")) == c] for c in COLUMNS
+            }
+            scores = [_cell(r["score"] for r in by[c]) for c in COLUMNS]
+            own = " / ".join(
+                _cell(r.get("score_own") for r in by[c]).split(" (")[0] for c in COLUMNS
+            )
+            ms = " / ".join(
+                f"{np.mean([r['ms_per_env_step'] for r in by[c]]):.1f}" if by[c] else "-"
+                for c in COLUMNS
+            )
+            lines.append(f"| {env} | {ds} | " + " | ".join(scores) + f" | {own} | {ms} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("results", nargs="?", default="results/offline_rl.json")
+    args = p.parse_args(argv)
+    print(table(load_records(args.results)))  # the table is the command's output
+
+
+if __name__ == "__main__":
+    main()
