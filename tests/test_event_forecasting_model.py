@@ -84,14 +84,16 @@ def test_mean_matches_monte_carlo(key):
 # --- streaming equals the parallel pass ------------------------------------------------------
 
 
-def _tiny_model(backbone, num_marks, seed=0):
+def _tiny_model(backbone, num_marks, seed=0, copy_marks=False):
     cfg = configs.tiny_config("hawkes", backbone).model
-    cfg = dataclasses.replace(cfg, num_layers=2, dropout=0.1)
+    cfg = dataclasses.replace(cfg, num_layers=2, dropout=0.1, copy_marks=copy_marks)
     return model.EventModel(cfg, num_marks, -0.5, 1.3, rngs=nnx.Rngs(params=seed, dropout=1))
 
 
-@pytest.mark.parametrize("backbone", ["aaren", "transformer"])
-def test_streaming_equals_parallel(backbone):
+@pytest.mark.parametrize(
+    ("backbone", "copy_marks"), [("aaren", False), ("transformer", False), ("aaren", True)]
+)
+def test_streaming_equals_parallel(backbone, copy_marks):
     seqs, m, _ = data.generate("hawkes", num_seqs=2, seed=5)
     n = 12
     # one window that starts before its first event (t_start = 0), one that starts at it
@@ -99,7 +101,9 @@ def test_streaming_equals_parallel(backbone):
         data.EventSeq(s.times[:n], s.marks[:n], t0, None, t0 > 0)
         for s, t0 in zip(seqs, (0.0, float(seqs[1].times[0])), strict=True)
     ]
-    net = _tiny_model(backbone, m)
+    if copy_marks:  # repeated marks, so that the counts matter
+        seqs[0] = dataclasses.replace(seqs[0], marks=np.array([0, 2, 2, 1, 2, 0, 0, 1, 2, 2, 1, 0]))
+    net = _tiny_model(backbone, m, copy_marks=copy_marks)
     net.eval()
     batch = data.make_batch(seqs, m, -0.5, 1.3)
     par = jax.jit(lambda b: net(b))({k: jnp.asarray(v) for k, v in batch.items()})
@@ -114,6 +118,8 @@ def test_streaming_equals_parallel(backbone):
         state, out = streamer.predict_next(state, ev)
         got.append(out)
     assert int(state.count[0]) == n
+    if copy_marks:
+        np.testing.assert_array_equal(state.mark_counts[0], np.bincount(seqs[0].marks, minlength=m))
     for j, out in enumerate(got):  # position j: after j events
         for name in ("logits", "loc", "log_scale"):
             np.testing.assert_allclose(
@@ -178,10 +184,21 @@ def _format_sets(fmt, tmp_path):
 
 @pytest.mark.parametrize("backbone", ["aaren", "transformer"])
 def test_one_training_step_per_format(backbone, tmp_path):
-    cfg = configs.tiny_config("hawkes", backbone)
+    base = configs.tiny_config("hawkes", backbone)
+    # the ifl-tpp format (Wikipedia's) with Wikipedia's model settings: copy head, clamp at 0
+    wiki = configs.get_config("wikipedia", backbone).model
     for fmt in ("generated", "easytpp", "ifl", "meta_tpp"):
         ds = _format_sets(fmt, tmp_path)
+        cfg = base
+        if fmt == "ifl":
+            cfg = dataclasses.replace(
+                base,
+                model=dataclasses.replace(
+                    base.model, copy_marks=wiki.copy_marks, log_scale_max=wiki.log_scale_max
+                ),
+            )
         net = train.build_model(cfg, ds)
+        assert (net.copy_gate is not None) == (fmt == "ifl"), fmt
         ts = make_train_step(net, model.loss_fn, cfg.optim, seed=0)
         batch = ds.train.batch(np.arange(4))
         before = jax.tree.map(jnp.copy, ts.params)

@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--tie-marks", action="store_true", help="mark logits from the embeddings")
+    p.add_argument("--copy-marks", action="store_true", help="copy head on the mark logits")
+    p.add_argument("--log-scale-max", type=float, default=None, help="upper log-scale clamp")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p.parse_args(argv)
 
@@ -50,6 +52,10 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
         cfg.model.dropout = args.dropout
     if args.tie_marks:
         cfg.model.tie_marks = True
+    if args.copy_marks:
+        cfg.model.copy_marks = True
+    if args.log_scale_max is not None:
+        cfg.model.log_scale_max = args.log_scale_max
     cfg.loop.progress = not args.no_progress
     return cfg
 

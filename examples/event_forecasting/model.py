@@ -194,6 +194,12 @@ class EventModel(nnx.Module):
             nnx.Linear(d, num_marks, rngs=rngs) if num_marks > 1 and not self.tie_marks else None
         )
         self.mark_bias = nnx.Param(jnp.zeros((num_marks,), jnp.float32)) if self.tie_marks else None
+        # copy features (created last, so that the other parameters' initialisation does not
+        # depend on them): two context-gated bonuses on the mark logits, for the previous
+        # event's mark and for log(1 + count) of each mark so far in the window, so that a
+        # mark seen earlier in the sequence can be predicted even when training never saw it
+        self.copy_marks = cfg.copy_marks and num_marks > 1
+        self.copy_gate = nnx.Linear(d, 2, rngs=rngs) if self.copy_marks else None
 
     def embed(self, time: Array, gap: Array, mark: Array) -> Array:
         """Tokens from event time (since the window's start), standardised log gap, mark.
@@ -210,8 +216,16 @@ class EventModel(nnx.Module):
         x = enc + self.mark_embed(mark) + self.gap_embed(gap[..., None])
         return self.dropout(x)
 
-    def decode(self, h: Array) -> NextEvent:
-        """The next event's distribution from the stack's output ``h`` [..., d]."""
+    def decode(
+        self, h: Array, last_mark: Array | None = None, counts: Array | None = None
+    ) -> NextEvent:
+        """The next event's distribution from the stack's output ``h`` [..., d].
+
+        Args:
+          h: [..., d] the stack's output.
+          last_mark: [...] int the latest event's mark (M for none); used by the copy head.
+          counts: [..., M] how often each mark occurred so far in the window; copy head only.
+        """
         c = jnp.tanh(self.hidden(h))
         logits, loc, raw = jnp.split(self.time_head(c), 3, axis=-1)
         lo, hi = self.log_scale_range
@@ -229,6 +243,10 @@ class EventModel(nnx.Module):
             marks = self.mark_head(c).astype(jnp.float32)
         else:
             marks = None
+        if self.copy_gate is not None:
+            gate = self.copy_gate(c).astype(jnp.float32)  # [..., 2]
+            last = jax.nn.one_hot(last_mark, self.num_marks, dtype=jnp.float32)  # M: zeros
+            marks = marks + gate[..., :1] * last + gate[..., 1:] * jnp.log1p(counts)
         return NextEvent(dist, marks)
 
     def __call__(self, batch) -> NextEvent:
@@ -242,7 +260,13 @@ class EventModel(nnx.Module):
         """
         x = self.embed(batch["time"], batch["gap"], batch["mark_in"])
         h = self.backbone(x, mask=batch["token_mask"])
-        return self.decode(h)
+        if self.copy_gate is None:
+            return self.decode(h)
+        # events 1..j at position j (the start token and padding carry mark M: no count)
+        counts = jnp.cumsum(
+            jax.nn.one_hot(batch["mark_in"], self.num_marks, dtype=jnp.float32), axis=-2
+        )
+        return self.decode(h, batch["mark_in"], counts)
 
 
 # --- losses and metrics ----------------------------------------------------------------------
@@ -320,12 +344,14 @@ class StreamState(NamedTuple):
       t_start: [B] the window's start.
       last_time: [B] the latest event's time (``t_start`` before any).
       count: [B] int32 events seen.
+      mark_counts: [B, M] occurrences of each mark so far (the copy head's), or None.
     """
 
     carry: Any
     t_start: Array
     last_time: Array
     count: Array
+    mark_counts: Array | None = None
 
 
 def stream_start(
@@ -341,8 +367,9 @@ def stream_start(
     )
     carry, h = model.backbone.step(carry, x)
     t_start = t_start.astype(jnp.float32)
-    state = StreamState(carry, t_start, t_start, jnp.zeros((b,), jnp.int32))
-    return state, model.decode(h)
+    counts = jnp.zeros((b, model.num_marks), jnp.float32) if model.copy_marks else None
+    state = StreamState(carry, t_start, t_start, jnp.zeros((b,), jnp.int32), counts)
+    return state, model.decode(h, jnp.full((b,), model.num_marks, jnp.int32), counts)
 
 
 def stream_next(
@@ -361,8 +388,12 @@ def stream_next(
     feat = jnp.where(state.count == 0, 0.0, feat)
     x = model.embed(time - state.t_start, feat, event.mark.astype(jnp.int32))
     carry, h = model.backbone.step(state.carry, x)
-    new = StreamState(carry, state.t_start, time, state.count + 1)
-    return new, model.decode(h)
+    mark = event.mark.astype(jnp.int32)
+    counts = state.mark_counts
+    if counts is not None:
+        counts = counts + jax.nn.one_hot(mark, model.num_marks, dtype=jnp.float32)
+    new = StreamState(carry, state.t_start, time, state.count + 1, counts)
+    return new, model.decode(h, mark, counts)
 
 
 class Streamer(NamedTuple):

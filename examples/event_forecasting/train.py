@@ -130,6 +130,11 @@ def run(
         "steps": result.step,
         "epochs": len(result.history),
         "params": int(n_params),
+        # the settings that differ between datasets, so that stale records can be told apart
+        "copy_marks": config.model.copy_marks,
+        "log_scale_max": config.model.log_scale_max,
+        "max_epochs": config.loop.max_epochs,
+        "warmup_steps": config.optim.warmup_steps,
         "wall_s": time.perf_counter() - t0,
     }
     logging.info("result %s", record)
