@@ -387,12 +387,45 @@ def test_check_grads_second_order(method):
     def f(s, v):
         return aj.prefix_attention(s, v, mask, method=method, chunk_size=3)[0]
 
-    # "blocked" has a custom reverse-mode gradient (jax.custom_vjp): no forward mode; "auto"
-    # resolves to "associative" at this length, so forward mode works with the default.
-    modes = ("rev",) if method == "blocked" else ("fwd", "rev")
+    # "blocked" differentiates by its custom JVP in both modes, to second order.
     with jax.enable_x64(True):
         args = (jnp.float64(rng.normal(size=(2, 7))), jnp.float64(rng.normal(size=(2, 7, 3))))
-        check_grads(jax.jit(f), args, order=2, modes=modes)
+        check_grads(jax.jit(f), args, order=2, modes=("fwd", "rev"))
+
+
+def test_blocked_derivatives_with_an_initial_state_and_garbage_at_masked_tokens():
+    """Forward and reverse mode of the blocked kernel against the sequential scan's autodiff,
+    through the initial state and with NaN at masked tokens (their tangents are ignored)."""
+    rng = np.random.default_rng(11)
+    mask = jnp.asarray(rng.random((2, 70)) > 0.3)
+    init = aj.attention_step(aj.init_state((2,), 3), jnp.ones(2), jnp.ones((2, 3)))[0]
+
+    def f(method):
+        def run(s, v, u0, w0):
+            s, v = jnp.where(mask, s, jnp.nan), jnp.where(mask[..., None], v, jnp.nan)
+            start = init._replace(u=u0, w=w0)
+            out, final = aj.prefix_attention(
+                s, v, mask, initial_state=start, method=method, chunk_size=8
+            )
+            return jnp.sum(jnp.sin(out)) + jnp.sum(final.w * final.u[..., None])
+
+        return run
+
+    args = (
+        jnp.asarray(rng.normal(size=(2, 70)), jnp.float32),
+        jnp.asarray(rng.normal(size=(2, 70, 3)), jnp.float32),
+        init.u,
+        init.w,
+    )
+    tangents = tuple(jnp.ones_like(a) for a in args)
+    for mode in (jax.grad, jax.jacfwd):
+        got = mode(f("blocked"), argnums=(0, 1, 2, 3))(*args)
+        want = mode(f("sequential"), argnums=(0, 1, 2, 3))(*args)
+        for g, w in zip(got, want, strict=True):
+            assert np.all(np.isfinite(g))
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    got = jax.jvp(f("blocked"), args, tangents)[1]
+    np.testing.assert_allclose(got, jax.jvp(f("sequential"), args, tangents)[1], rtol=2e-5)
 
 
 # ----------------------------------------------------------------------------------------

@@ -444,9 +444,9 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
     and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` or more take ``"blocked"``,
     the fastest method at every length ``benchmarks/scan.py`` measured there, forward and
     backward (``results/scan_cpu.json``); shorter ones, and other backends (not measured
-    here), the paper's ``"associative"`` scan. ``"blocked"`` has a custom reverse-mode
-    gradient and no forward mode: ``jax.jvp`` / ``jax.hessian`` of a long sequence on CPU
-    need ``method="associative"``. Other names are returned as they are.
+    here), the paper's ``"associative"`` scan. ``"blocked"`` differentiates in both modes
+    (a custom JVP that JAX transposes for the backward pass). Other names are returned as
+    they are.
 
     Args:
       method: one of ``METHODS``.
@@ -578,22 +578,18 @@ def prefix_attention(
 
 
 # ----------------------------------------------------------------------------------------
-# The "blocked" method: a two-pass blocked kernel with a custom gradient.
+# The "blocked" method: a two-pass blocked kernel with a custom JVP.
 #
 # Pass 1 reduces each block of C tokens to its total state (one read of the values); a
 # short scan across blocks gives the state before each block; pass 2 walks the C positions
 # of all blocks at once, from those states, and writes each output in place. The values are
 # read twice and the outputs written once, with no C x C matrix and no transpose.
 #
-# Gradient (one reverse pass of the same kernel). With lse_t = m_t + log u_t and
-# p_ti = exp(s_i - lse_t) for i <= t, o_t = sum_i p_ti v_i. For cotangents g_t of o_t and
-# delta_t = <g_t, o_t>:
-#     dv_i = sum_{t>=i} exp(s_i - lse_t) g_t
-#     ds_i = <v_i, dv_i> - sum_{t>=i} exp(s_i - lse_t) delta_t
-# Both are suffix sums with "scores" -lse_t over the channels (g_t, delta_t); their running
-# max M_i = max_{t>=i} -lse_t keeps every factor exp(s_i + M_i) <= 1. The final state's
-# cotangents enter as one more term after the last token, with score -m_T; the initial
-# state's gradient is that of one more token before the first.
+# Derivatives. With p_ti = exp(s_i - m_t) / u_t for i <= t, o_t = sum_i p_ti v_i and
+#     d o_t = sum_i p_ti (dv_i + ds_i v_i) - o_t sum_i p_ti ds_i,
+# attention again, with the primal weights, over the tangent channels (ds_i, dv_i + ds_i v_i).
+# That is the JVP rule (forward mode); it is linear in the tangents, and JAX transposes it
+# into the backward pass: suffix sums with the same weights, one more blocked scan.
 
 
 def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
@@ -641,23 +637,25 @@ def _scale_channel(channel: Array, scale: Array) -> Array:
     return channel * (scale if channel.ndim == scale.ndim else scale[..., None])
 
 
-def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chunk_size, reverse):
-    """Blocked prefix (or suffix, with ``reverse``) sums ``sum_i exp(s_i - m) c_i``.
+def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chunk_size, in_place):
+    """Blocked prefix sums ``sum_{i<=t} exp(s_i - m_t) c_i``, read out at every position.
 
     Args:
       scores: per-token scores, ``-inf`` where masked. [..., T]
       channels: per-token quantities to accumulate. tuple of [..., T] or [..., T, K]
-      init_m: running max of the state before the first (or after the last) token. [...]
+      init_m: running max of the state before the first token. [...]
       init_channels: that state's channel sums, relative to ``init_m``. tuple of [...(, K)]
       extras: per-token arrays handed to ``readout``. tuple of [..., T(, *)]
       readout: ``f(m, channel_sums, extras) -> tuple of outputs`` for one position of every
         block; arrays there are [..., N(, *)].
       chunk_size: block size C.
-      reverse: accumulate suffixes (t >= i) instead of prefixes.
+      in_place: pass 2 as a loop writing its outputs in place (the fastest forward pass), or
+        as a ``lax.scan`` over positions whose transpose JAX derives cheaply (the tangent:
+        in place, its transpose would add a full-size cotangent per position).
 
     Returns:
       ``(outputs, (final_m, final_channels))``: readout at every position, [..., T(, *)],
-      and the state after all tokens (before all tokens, with ``reverse``).
+      and the state after all tokens.
     """
     batch_ndim = scores.ndim - 1
     num_tokens = scores.shape[-1]
@@ -665,27 +663,30 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
     blocked = functools.partial(
         _to_blocks, batch_ndim=batch_ndim, num_blocks=num_blocks, chunk_size=chunk_size
     )
-    # Padding tokens are identities: score -inf, zero channels; their outputs are dropped.
+    # Padding tokens are identities: score -inf, zero channels, extras -inf (a log-normaliser
+    # of "nothing attended"); their outputs are dropped, and their cotangents are 0.
     score_blocks = blocked(scores, fill=-jnp.inf)
     channel_blocks = tuple(blocked(c) for c in channels)
-    extra_blocks = tuple(blocked(x) for x in extras)
+    extra_blocks = tuple(blocked(x, fill=-jnp.inf) for x in extras)
 
     # Pass 1: each block's total, relative to the block's max.
     block_max = jax.lax.stop_gradient(jnp.max(score_blocks, axis=-1))
     weights = jnp.exp(score_blocks - _reference(block_max)[..., None])
     totals = tuple(jnp.sum(_scale_channel(c, weights), axis=batch_ndim + 1) for c in channel_blocks)
 
-    # Across blocks: the state before each block (after it, with reverse).
-    def across(state, total):
-        m, sums = state
-        t_m, t_sums = total
-        new_m = jax.lax.stop_gradient(jnp.maximum(m, t_m))
-        ref = _reference(new_m)
-        a, b = jnp.exp(m - ref), jnp.exp(t_m - ref)
-        new_sums = tuple(
-            _scale_channel(x, a) + _scale_channel(y, b) for x, y in zip(sums, t_sums, strict=True)
+    # Across blocks: the state before each block.
+    def merge(m, sums, new_max, new_sums):
+        next_m = jax.lax.stop_gradient(jnp.maximum(m, new_max))
+        ref = _reference(next_m)
+        a, b = jnp.exp(m - ref), jnp.exp(new_max - ref)
+        merged = tuple(
+            _scale_channel(x, a) + _scale_channel(y, b) for x, y in zip(sums, new_sums, strict=True)
         )
-        return (new_m, new_sums), (m, sums)
+        return next_m, ref, merged
+
+    def across(state, total):
+        next_m, _, next_sums = merge(*state, *total)
+        return (next_m, next_sums), state
 
     block_axis = batch_ndim
     time_major = (
@@ -693,40 +694,31 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
         tuple(jnp.moveaxis(t, block_axis, 0) for t in totals),
     )
     (final_m, final_sums), (start_m, start_sums) = jax.lax.scan(
-        across, (init_m, tuple(init_channels)), time_major, reverse=reverse
+        across, (init_m, tuple(init_channels)), time_major
     )
     start_m = jnp.moveaxis(start_m, 0, block_axis)
     start_sums = tuple(jnp.moveaxis(x, 0, block_axis) for x in start_sums)
 
-    # Pass 2: every block's C positions in lockstep, writing outputs in place.
+    # Pass 2: every block's C positions in lockstep.
     position_axis = batch_ndim + 1
-    take = functools.partial(jax.lax.dynamic_index_in_dim, axis=position_axis, keepdims=False)
-    example = jax.eval_shape(readout, start_m, start_sums, tuple(take(x, 0) for x in extra_blocks))
-    outputs = tuple(
-        jnp.zeros((*o.shape[:position_axis], chunk_size, *o.shape[position_axis:]), o.dtype)
-        for o in example
-    )
-
-    def position(step, carry):
-        m, sums, outs = carry
-        c = chunk_size - 1 - step if reverse else step
-        s = take(score_blocks, c)
-        new_m = jax.lax.stop_gradient(jnp.maximum(m, s))
-        ref = _reference(new_m)
-        a, b = jnp.exp(m - ref), jnp.exp(s - ref)
-        sums = tuple(
-            _scale_channel(x, a) + _scale_channel(take(ch, c), b)
-            for x, ch in zip(sums, channel_blocks, strict=True)
+    if in_place:
+        outputs = _positions_in_place(
+            merge, readout, start_m, start_sums, score_blocks, channel_blocks, extra_blocks
         )
-        # the readout sees the sums' reference point, which carries no gradient
-        values = readout(ref, sums, tuple(take(x, c) for x in extra_blocks))
-        outs = tuple(
-            jax.lax.dynamic_update_index_in_dim(o, v, c, position_axis)
-            for o, v in zip(outs, values, strict=True)
-        )
-        return new_m, sums, outs
+    else:
 
-    _, _, outputs = jax.lax.fori_loop(0, chunk_size, position, (start_m, start_sums, outputs))
+        def position(state, token):
+            score, chans, extra = token
+            next_m, ref, sums = merge(*state, score, chans)
+            # the readout sees the sums' reference point, which carries no gradient
+            return (next_m, sums), readout(ref, sums, extra)
+
+        tokens = jax.tree.map(
+            lambda x: jnp.moveaxis(x, position_axis, 0),
+            (score_blocks, channel_blocks, extra_blocks),
+        )
+        _, outputs = jax.lax.scan(position, (start_m, start_sums), tokens)
+        outputs = tuple(jnp.moveaxis(o, 0, position_axis) for o in outputs)
     outputs = tuple(
         o.reshape(*o.shape[:batch_ndim], num_blocks * chunk_size, *o.shape[batch_ndim + 2 :])[
             (slice(None),) * batch_ndim + (slice(0, num_tokens),)
@@ -734,6 +726,30 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
         for o in outputs
     )
     return outputs, (final_m, final_sums)
+
+
+def _positions_in_place(merge, readout, start_m, start_sums, scores, channels, extras):
+    """Pass 2 as a ``fori_loop`` over the C positions, writing [..., N, C, *] in place."""
+    position_axis = scores.ndim - 1
+    chunk_size = scores.shape[-1]
+    take = functools.partial(jax.lax.dynamic_index_in_dim, axis=position_axis, keepdims=False)
+    example = jax.eval_shape(readout, start_m, start_sums, tuple(take(x, 0) for x in extras))
+    outputs = tuple(
+        jnp.zeros((*o.shape[:position_axis], chunk_size, *o.shape[position_axis:]), o.dtype)
+        for o in example
+    )
+
+    def position(c, carry):
+        m, sums, outs = carry
+        next_m, ref, sums = merge(m, sums, take(scores, c), tuple(take(x, c) for x in channels))
+        values = readout(ref, sums, tuple(take(x, c) for x in extras))
+        outs = tuple(
+            jax.lax.dynamic_update_index_in_dim(o, v, c, position_axis)
+            for o, v in zip(outs, values, strict=True)
+        )
+        return next_m, sums, outs
+
+    return jax.lax.fori_loop(0, chunk_size, position, (start_m, start_sums, outputs))[2]
 
 
 def _forward_readout(ref, sums, extras):
@@ -744,66 +760,56 @@ def _forward_readout(ref, sums, extras):
     return readout(AttentionState(ref, u, w)), log_norm
 
 
+def _tangent_readout(ref, sums, extras):
+    """Tangent sums over the primal denominator: ``sums / u`` (0 where nothing attended)."""
+    (log_norm,) = extras
+    inverse_u = jnp.where(jnp.isneginf(log_norm), 0.0, jnp.exp(ref - log_norm))
+    return tuple(_scale_channel(x, inverse_u) for x in sums)
+
+
 def _blocked_forward(scores, values, valid, init, chunk_size):
-    masked_scores = jnp.where(valid, scores, -jnp.inf)
     (outputs, log_norm), (m, (u, w)) = _two_pass_scan(
-        masked_scores,
+        jnp.where(valid, scores, -jnp.inf),
         (valid.astype(scores.dtype), values),
         init.m,
         (init.u, init.w),
         (),
         _forward_readout,
         chunk_size,
-        reverse=False,
+        in_place=True,
     )
     return outputs, AttentionState(m, u, w), log_norm
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _blocked_attention(scores, values, valid, init, chunk_size):
     outputs, final, _ = _blocked_forward(scores, values, valid, init, chunk_size)
     return outputs, final
 
 
-def _blocked_fwd(scores, values, valid, init, chunk_size):
+@_blocked_attention.defjvp
+def _blocked_jvp(chunk_size, primals, tangents):
+    """The tangent is attention itself, with the primal weights, over tangent channels.
+
+    With ``p_ti = exp(s_i - m_t) / u_t``: ``d o_t = sum_i p_ti (dv_i + ds_i v_i) - o_t
+    sum_i p_ti ds_i``, the initial state entering as one more token. It is linear in the
+    tangents with primal weights, so JAX transposes it into the backward pass (a blocked
+    scan of the same shape) and forward mode (``jax.jvp``, ``jax.hessian``) works too. The
+    running max carries no tangent, as everywhere in this module.
+    """
+    scores, values, valid, init = primals
+    d_scores, d_values, _, d_init = tangents
     outputs, final, log_norm = _blocked_forward(scores, values, valid, init, chunk_size)
-    return (outputs, final), (scores, values, valid, init, outputs, log_norm, final.m)
-
-
-def _blocked_bwd(chunk_size, residuals, cotangents):
-    scores, values, valid, init, outputs, log_norm, final_m = residuals
-    d_outputs, d_final = cotangents
-    delta = jnp.sum(d_outputs * outputs, axis=-1)
-    # Positions where nothing was attended have constant outputs: they drop out.
-    reverse_scores = jnp.where(jnp.isneginf(log_norm), -jnp.inf, -log_norm)
-
-    def readout(suffix_ref, sums, extras):
-        d_out_sum, delta_sum = sums
-        score, value, is_valid = extras
-        factor = jnp.exp(jnp.where(is_valid, score + suffix_ref, -jnp.inf))
-        d_value = factor[..., None] * d_out_sum
-        d_score = jnp.sum(value * d_value, axis=-1) - factor * delta_sum
-        return d_value, d_score
-
-    final_score = jnp.where(jnp.isneginf(final_m), -jnp.inf, -final_m)
-    (d_values, d_scores), (total_m, (total_g, total_delta)) = _two_pass_scan(
-        reverse_scores,
-        (d_outputs, delta),
-        final_score,
-        (d_final.w, -d_final.u),
-        (scores, values, valid),
-        readout,
+    d_scores = jnp.where(valid, d_scores, jnp.zeros((), d_scores.dtype))
+    (d_u_norm, d_w_norm), (_, (d_u, d_w)) = _two_pass_scan(
+        jnp.where(valid, scores, -jnp.inf),
+        (d_scores, d_values + d_scores[..., None] * values),
+        init.m,
+        (d_init.u, d_init.w),
+        (log_norm,),
+        _tangent_readout,
         chunk_size,
-        reverse=True,
+        in_place=False,
     )
-    # The initial state acts as one more token before the first.
-    init_factor = jnp.exp(jnp.where(jnp.isneginf(init.m), -jnp.inf, init.m + total_m))
-    d_init = AttentionState(
-        m=jnp.zeros_like(init.m),
-        u=-init_factor * total_delta,
-        w=init_factor[..., None] * total_g,
-    )
-    return d_scores, d_values, np.zeros(valid.shape, jax.dtypes.float0), d_init
-
-
-_blocked_attention.defvjp(_blocked_fwd, _blocked_bwd)
+    d_outputs = d_w_norm - outputs * d_u_norm[..., None]
+    return (outputs, final), (d_outputs, AttentionState(jnp.zeros_like(final.m), d_u, d_w))
