@@ -103,3 +103,15 @@ def test_checkpoint_round_trip(tmp_path):
     io.close()
     np.testing.assert_array_equal(restored["params"]["w"], tree["params"]["w"])
     assert meta == {"step": 7, "history": [{"epoch": 1}]}
+
+
+@pytest.mark.parametrize("dim", [20, 7])
+def test_sinusoidal_positions_against_the_formula(dim):
+    from examples.common import sinusoidal_positions
+
+    pe = sinusoidal_positions(200, dim)
+    t, c = np.meshgrid(np.arange(200), np.arange(dim), indexing="ij")
+    angle = t / 10000.0 ** (2 * (c // 2) / dim)
+    want = np.where(c % 2 == 0, np.sin(angle), np.cos(angle))
+    assert pe.shape == (200, dim) and pe.dtype == np.float32
+    np.testing.assert_allclose(pe, want, atol=1e-6)

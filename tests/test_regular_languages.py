@@ -109,6 +109,3 @@ def test_unknown_positional_is_rejected():
         )
 
 
-def test_sinusoidal_encoding_any_length():
-    pe = np.asarray(train.sinusoidal_encoding(200, 20))
-    assert pe.shape == (200, 20) and np.allclose(pe[0, 1::2], 1.0)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from examples.classification.configs import ModelConfig
-from examples.common import make_backbone
-from examples.forecasting.model import CausalConvEmbedding, sinusoidal_positions
+from examples.common import make_backbone, sinusoidal_positions
+from examples.forecasting.model import CausalConvEmbedding
 
 
 class Classifier(nnx.Module):

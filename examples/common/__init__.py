@@ -5,7 +5,7 @@ The examples run as scripts (``python examples/forecasting/main.py``) or as modu
 ``sys.path``, which each ``main.py`` and ``sweep.py`` ensures.
 """
 
-from examples.common.backbone import BACKBONES, make_backbone
+from examples.common.backbone import BACKBONES, make_backbone, sinusoidal_positions
 from examples.common.checkpoint import CheckpointIO
 from examples.common.loop import LoopConfig, TrainResult, TrainStep, fit, make_train_step
 from examples.common.optim import OptimConfig, make_optimizer, weight_decay_mask
@@ -33,5 +33,6 @@ __all__ = [
     "record_key",
     "results_path",
     "setup_logging",
+    "sinusoidal_positions",
     "weight_decay_mask",
 ]

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import numpy as np
 from flax import nnx
 
 BACKBONES = ("aaren", "transformer")
+
+
+def sinusoidal_positions(length: int, dim: int) -> np.ndarray:
+    """Vaswani et al.'s absolute sinusoidal positions, any length. [T, d] float32
+
+    Channel ``2i`` is ``sin(t / 10000^(2i/d))``, channel ``2i+1`` the cosine of the same.
+    """
+    pos = np.arange(length)[:, None]
+    div = np.exp(np.arange(0, dim, 2) * (-np.log(10000.0) / dim))
+    pe = np.zeros((length, dim), np.float32)
+    pe[:, 0::2] = np.sin(pos * div)
+    pe[:, 1::2] = np.cos(pos * div)[:, : dim // 2]
+    return pe
 
 
 def make_backbone(

@@ -90,19 +90,13 @@ class TrainResult(NamedTuple):
     prior_wall_s: float = 0.0
 
 
-def _reseed(rest, key: jax.Array):
-    """Replaces every PRNG key in a non-parameter state by ``fold_in(key, leaf index)``.
+def _reseed(model: nnx.Module, key: jax.Array) -> None:
+    """``nnx.reseed`` of every RNG stream of ``model`` from ``key`` (one key per stream).
 
     Dropout masks then depend only on (seed, step), so a resumed run repeats them exactly.
     """
-    leaves, treedef = jax.tree.flatten(rest)
-    new = []
-    for i, x in enumerate(leaves):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            k = jax.random.fold_in(key, i)
-            x = k if x.shape == () else jax.random.split(k, x.shape)
-        new.append(x)
-    return jax.tree.unflatten(treedef, new)
+    tags = {s.key.tag for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)}
+    nnx.reseed(model, policy="match_shape", **dict.fromkeys(tags, key))
 
 
 def _padded_batches(n: int, batch_size: int):
@@ -124,8 +118,8 @@ def _padded_batches(n: int, batch_size: int):
     donate_argnames=("params", "opt_state"),
 )
 def _train_step(params, opt_state, rest, batch, step, *, graphdef, tx, loss_fn, base_key):
-    step_rest = _reseed(rest, jax.random.fold_in(base_key, step))
-    model = nnx.merge(graphdef, params, step_rest)
+    model = nnx.merge(graphdef, params, rest)
+    _reseed(model, jax.random.fold_in(base_key, step))
     grad_fn = nnx.value_and_grad(lambda m: loss_fn(m, batch), has_aux=True)
     (loss, _), grads = grad_fn(model)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -157,13 +151,19 @@ class TrainStep(NamedTuple):
 def make_train_step(
     model: nnx.Module,
     loss_fn: Callable[[nnx.Module, Batch], tuple[jax.Array, Any]],
-    optim: OptimConfig,
+    optim: OptimConfig | optax.GradientTransformation,
     seed: int,
 ) -> TrainStep:
-    """The training step of ``model`` in training mode (also used by the cost benchmark)."""
+    """The training step of ``model`` in training mode (also used by the cost benchmark).
+
+    ``optim``: the examples' AdamW settings, or any Optax optimiser.
+    """
     model.train()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = make_optimizer(optim, params)
+    if isinstance(optim, OptimConfig):
+        tx = make_optimizer(optim, params)
+    else:
+        tx = optim
     step = functools.partial(
         _train_step, graphdef=graphdef, tx=tx, loss_fn=loss_fn, base_key=jax.random.key(seed)
     )

@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from examples.common import make_backbone
+from examples.common import make_backbone, sinusoidal_positions
 from examples.forecasting.configs import ModelConfig
-
-
-def sinusoidal_positions(length: int, dim: int) -> np.ndarray:
-    """Vaswani et al.'s sinusoidal positions, [T, d] float32."""
-    pos = np.arange(length)[:, None]
-    div = np.exp(np.arange(0, dim, 2) * (-np.log(10000.0) / dim))
-    pe = np.zeros((length, dim), np.float32)
-    pe[:, 0::2] = np.sin(pos * div)
-    pe[:, 1::2] = np.cos(pos * div)[:, : dim // 2]
-    return pe
 
 
 class CausalConvEmbedding(nnx.Module):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import time
 from typing import Any
 
@@ -35,6 +34,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from examples.common.backbone import sinusoidal_positions
+from examples.common.loop import make_train_step
 from examples.common.parallel import data_mesh, replicate, shard_batch
 from examples.common.paths import ensure_importable
 from examples.regular_languages import data
@@ -94,16 +95,6 @@ class Config:
         )
 
 
-def sinusoidal_encoding(length: int, dim: int) -> jax.Array:
-    """Absolute sinusoidal positions (Vaswani et al.), for any length. [T, d]"""
-    pos = np.arange(length)[:, None]
-    inv = np.exp(-math.log(10000.0) * (np.arange(0, dim, 2) / dim))
-    pe = np.zeros((length, dim), np.float32)
-    pe[:, 0::2] = np.sin(pos * inv)
-    pe[:, 1::2] = np.cos(pos * inv[: dim // 2])
-    return jnp.asarray(pe)
-
-
 class LanguageModel(nnx.Module):
     """Token embedding (+ sinusoidal positions), a causal stack, a linear multi-hot head.
 
@@ -140,7 +131,7 @@ class LanguageModel(nnx.Module):
         """Logits. tokens [B, T] int, mask [B, T] bool -> [B, T, V]"""
         x = self.embed(tokens)
         if self.positional == "sinusoidal":
-            x = x + sinusoidal_encoding(tokens.shape[1], self.d_model)[None]
+            x = x + jnp.asarray(sinusoidal_positions(tokens.shape[1], self.d_model))[None]
         return self.head(self.backbone(x, mask))
 
 
@@ -151,16 +142,9 @@ def bce_loss(logits, targets, mask):
     return jnp.sum(per * weight) / (jnp.sum(weight) * per.shape[-1])
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "tx"), donate_argnames=("params", "opt_state")
-)
-def train_step(params, opt_state, rest, tokens, targets, mask, *, graphdef, tx):
-    def loss_fn(p):
-        return bce_loss(nnx.merge(graphdef, p, rest)(tokens, mask), targets, mask)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+def loss_fn(model: LanguageModel, batch: dict) -> tuple[jax.Array, None]:
+    """BCE of a batch ``{"t": tokens, "y": targets, "m": mask}`` (the shared loop's form)."""
+    return bce_loss(model(batch["t"], batch["m"]), batch["y"], batch["m"]), None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -239,17 +223,15 @@ def train_and_evaluate(
     vocab_in = max(vocab_in, len(data.language_dfa(cfg.language).alphabet) + 1)
     vocab_out = train.targets.shape[-1]
     model = LanguageModel(cfg, vocab_in, vocab_out, rngs=nnx.Rngs(cfg.seed))
-    model.train()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-
     n = len(train.tokens)
     steps_per_epoch = n // cfg.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{n} training samples < batch size {cfg.batch_size}")
-    tx = make_optimizer(cfg, steps_per_epoch)
-    opt_state = tx.init(params)
-    step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx)
+    # the examples' shared jitted step: dropout reseeded from (seed, step)
+    step_fn, params, opt_state, rest = make_train_step(
+        model, loss_fn, make_optimizer(cfg, steps_per_epoch), cfg.seed
+    )
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     # Data parallel: replicated state, each batch split over all devices (None: one device).
     mesh = data_mesh() if cfg.data_parallel else None
     if mesh is not None and cfg.batch_size % mesh.size:
@@ -269,7 +251,8 @@ def train_and_evaluate(
             b = shard_batch(
                 {"t": train.tokens[idx], "y": train.targets[idx], "m": train.mask[idx]}, mesh
             )
-            params, opt_state, loss = step_fn(params, opt_state, rest, b["t"], b["y"], b["m"])
+            global_step = jnp.asarray(epoch * steps_per_epoch + i, jnp.uint32)
+            params, opt_state, loss = step_fn(params, opt_state, rest, b, global_step)
             losses.append(loss)
         epoch_loss = float(jnp.mean(jnp.stack(losses)))
         history.append(epoch_loss)
