@@ -90,8 +90,8 @@ class Config:
         default_factory=lambda: LoopConfig(
             batch_size=64,
             eval_batch_size=256,
-            max_epochs=10,  # 10 "epochs" of 1000 updates: train_steps = 10k (CORL: 100k)
-            steps_per_epoch=1000,
+            max_epochs=20,  # 20 "epochs" of 500 updates: train_steps = 10k (CORL: 100k)
+            steps_per_epoch=500,  # also the checkpoint interval (minutes on a busy 2-core CPU)
             patience=1_000_000,  # no early stopping: CORL trains a fixed number of updates
             log_every=100,
             checkpoint_every=1,

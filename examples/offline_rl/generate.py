@@ -5,11 +5,11 @@ medium-expert written as local Minari datasets.
     python examples/offline_rl/generate.py --env hopper --sac-steps 60000 --size 30000
 
 As D4RL made them (Fu et al. 2020, Section 5): a SAC agent is trained online; **medium** is
-rollouts of the policy stopped early, at about one third of the return the final policy
-reaches (here: the first snapshot whose evaluated return reaches ``medium_fraction`` of the
-final one); **medium-replay** is that agent's replay buffer up to that point; **medium-expert**
-is the medium rollouts plus as many rollouts of the final ("expert") policy. Rollouts sample
-from the stochastic policy. Sizes are arguments (D4RL: 1M transitions per dataset).
+rollouts of the policy stopped early, at about one third of the expert's return (here: the
+first snapshot whose evaluated return reaches ``medium_fraction`` of the best snapshot's);
+**medium-replay** is that agent's replay buffer up to that point; **medium-expert** is the
+medium rollouts plus as many rollouts of the "expert" policy (the best snapshot). Rollouts
+sample from the stochastic policy. Sizes are arguments (D4RL: 1M transitions per dataset).
 
 Deterministic from ``--seed`` (environment resets, exploration, update batches, rollouts) and
 resumable: the agent, its replay buffer and its policy snapshots are Orbax checkpoints saved
@@ -323,7 +323,9 @@ def generate(
     nets, rets = beh["nets"], np.asarray(beh["snapshot_returns"])
     if len(rets) == 0:
         raise ValueError("no policy snapshot: --sac-steps must be at least --snapshot-every")
-    expert_i = len(rets) - 1
+    # the expert: the best snapshot (a short SAC run's return swings between snapshots; D4RL's
+    # expert is the final policy of an agent trained to convergence, roughly its best)
+    expert_i = int(np.argmax(rets))
     expert_return = float(rets[expert_i])
     reached = np.flatnonzero(rets >= cfg.medium_fraction * expert_return)
     medium_i = int(reached[0]) if len(reached) else expert_i

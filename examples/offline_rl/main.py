@@ -28,7 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-root", default=None, help="Minari datasets (default: workdirs/...)")
     p.add_argument("--workdir", default=None, help="run folder (default: keyed by the config)")
     p.add_argument("--overwrite", action="store_true", help="discard the run folder's run")
-    p.add_argument("--steps", type=int, default=None, help="training updates (x1000 per epoch)")
+    p.add_argument("--steps", type=int, default=None, help="training updates (a multiple of 500)")
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumable) after these")
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--target-return", type=float, default=None)
