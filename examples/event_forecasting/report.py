@@ -144,30 +144,40 @@ def streaming_table(path: Path) -> str:
 
 
 def baseline_table(data_root: str | None) -> str:
-    """Trivial predictors on each marked dataset's test split, over the models' predicted events.
+    """Trivial predictors on each dataset's test split, over the models' predicted events.
 
     Marks: ``repeat last`` (the previous event's mark), ``most frequent`` (the training split's
     most frequent mark), ``most frequent so far`` (the mark seen most often earlier in the
-    window, ties to the most recent). Times: the RMSE of predicting every gap by the training
-    split's mean gap, and the log-gap statistics that set the mixture's scale (``sigma_s``)
-    and the range of log gaps in training.
+    window, ties to the most recent), and the shares of events whose mark occurs in the
+    training split and earlier in the window. Times: the RMSE of predicting every gap by the
+    training split's mean gap, the log-gap statistics that set the mixture's scale
+    (``sigma_s``) and the range of log gaps in training, and the largest factor
+    ``exp((sigma_s s_k)^2 / 2)`` by which a component's width can raise its mean, at the
+    log-scale clamps 1 and 0.
     """
     import numpy as np
 
     from examples.event_forecasting.data import load_dataset
 
-    lines = [
+    marks = [
         "| dataset | repeat last mark (%) | most frequent training mark (%) "
-        "| most frequent mark so far (%) | RMSE of the mean training gap | sigma_s "
-        "| log gap range (train) |",
-        "|---|---|---|---|---|---|---|",
+        "| most frequent mark so far (%) | mark occurs in training (%) "
+        "| mark occurred earlier in the window (%) |",
+        "|---|---|---|---|---|---|",
+    ]
+    times = [
+        "| dataset | RMSE of the mean training gap | sigma_s | log gap range (train) "
+        "| width factor, clamp 1 | width factor, clamp 0 |",
+        "|---|---|---|---|---|---|",
     ]
     for ds in ("stackoverflow", "taxi", "wikipedia", "sin", "hawkes"):
         d = load_dataset(ds, data_root, max_train_events=None)
         train_gaps = np.concatenate([s.gaps()[s.predicted()] for s in d.train.seqs])
         train_marks = np.concatenate([s.marks[s.predicted()] for s in d.train.seqs])
+        in_train = np.zeros(d.num_marks, bool)
+        in_train[np.concatenate([s.marks for s in d.train.seqs])] = True
         top = np.bincount(train_marks, minlength=d.num_marks).argmax()
-        rep = hit = so_far = n = 0
+        rep = hit = so_far = known = seen = n = 0
         sq = 0.0
         for s in d.test.seqs:
             pred = s.predicted()
@@ -175,24 +185,26 @@ def baseline_table(data_root: str | None) -> str:
             prev = np.concatenate([[-1], s.marks[:-1]])[pred]  # no previous mark: a miss
             rep += int(np.sum(prev == s.marks[pred]))
             hit += int(np.sum(s.marks[pred] == top))
+            known += int(np.sum(in_train[s.marks[pred]]))
             counts: dict[int, tuple[int, int]] = {}  # mark -> (count, last position)
             for i, k in enumerate(s.marks):
                 if pred[i] and counts:
                     guess = max(counts, key=lambda m: counts[m])
                     so_far += int(guess == k)
+                    seen += int(int(k) in counts)
                 counts[int(k)] = (counts.get(int(k), (0, 0))[0] + 1, i)
             n += int(pred.sum())
+        if d.has_marks:
+            pct = [100 * x / n for x in (rep, hit, so_far, known, seen)]
+            marks.append(f"| {ds} | " + " | ".join(f"{x:.2f}" for x in pct) + " |")
         logs = np.log(train_gaps)
-        marks = (
-            f"{100 * rep / n:.2f} | {100 * hit / n:.2f} | {100 * so_far / n:.2f}"
-            if d.has_marks
-            else "- | - | -"
+        times.append(
+            f"| {ds} | {np.sqrt(sq / n):.4g} | {d.train.log_std:.3f} "
+            f"| [{logs.min():.2f}, {logs.max():.2f}] "
+            f"| {np.exp((d.train.log_std * np.e) ** 2 / 2):.3g} "
+            f"| {np.exp(d.train.log_std**2 / 2):.3g} |"
         )
-        lines.append(
-            f"| {ds} | {marks} | {np.sqrt(sq / n):.4g} | {d.train.log_std:.3f} "
-            f"| [{logs.min():.2f}, {logs.max():.2f}] |"
-        )
-    return "\n".join(lines)
+    return "\n".join(marks) + "\n\n" + "\n".join(times)
 
 
 def main(argv=None) -> None:
