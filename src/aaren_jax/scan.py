@@ -669,47 +669,21 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
     channel_blocks = tuple(blocked(c) for c in channels)
     extra_blocks = tuple(blocked(x, fill=-jnp.inf) for x in extras)
 
-    # Pass 1: each block's total, relative to the block's max.
-    block_max = jax.lax.stop_gradient(jnp.max(score_blocks, axis=-1))
-    weights = jnp.exp(score_blocks - _reference(block_max)[..., None])
-    totals = tuple(jnp.sum(_scale_channel(c, weights), axis=batch_ndim + 1) for c in channel_blocks)
-
-    # Across blocks: the state before each block.
-    def merge(m, sums, new_max, new_sums):
-        next_m = jax.lax.stop_gradient(jnp.maximum(m, new_max))
-        ref = _reference(next_m)
-        a, b = jnp.exp(m - ref), jnp.exp(new_max - ref)
-        merged = tuple(
-            _scale_channel(x, a) + _scale_channel(y, b) for x, y in zip(sums, new_sums, strict=True)
-        )
-        return next_m, ref, merged
-
-    def across(state, total):
-        next_m, _, next_sums = merge(*state, *total)
-        return (next_m, next_sums), state
-
-    block_axis = batch_ndim
-    time_major = (
-        jnp.moveaxis(block_max, block_axis, 0),
-        tuple(jnp.moveaxis(t, block_axis, 0) for t in totals),
+    start_m, start_sums, final_m, final_sums = _block_starts(
+        score_blocks, channel_blocks, init_m, tuple(init_channels)
     )
-    (final_m, final_sums), (start_m, start_sums) = jax.lax.scan(
-        across, (init_m, tuple(init_channels)), time_major
-    )
-    start_m = jnp.moveaxis(start_m, 0, block_axis)
-    start_sums = tuple(jnp.moveaxis(x, 0, block_axis) for x in start_sums)
 
     # Pass 2: every block's C positions in lockstep.
     position_axis = batch_ndim + 1
     if in_place:
         outputs = _positions_in_place(
-            merge, readout, start_m, start_sums, score_blocks, channel_blocks, extra_blocks
+            readout, start_m, start_sums, score_blocks, channel_blocks, extra_blocks
         )
     else:
 
         def position(state, token):
             score, chans, extra = token
-            next_m, ref, sums = merge(*state, score, chans)
+            next_m, ref, sums = _merge_sums(*state, score, chans)
             # the readout sees the sums' reference point, which carries no gradient
             return (next_m, sums), readout(ref, sums, extra)
 
@@ -728,7 +702,46 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
     return outputs, (final_m, final_sums)
 
 
-def _positions_in_place(merge, readout, start_m, start_sums, scores, channels, extras):
+def _merge_sums(m, sums, new_max, new_sums):
+    """Channel sums relative to ``m`` merged with ones relative to ``new_max``: ``combine``
+    over any channels. Returns the merged max, the exponent's reference, the merged sums."""
+    next_m = jax.lax.stop_gradient(jnp.maximum(m, new_max))
+    ref = _reference(next_m)
+    a, b = jnp.exp(m - ref), jnp.exp(new_max - ref)
+    merged = tuple(
+        _scale_channel(x, a) + _scale_channel(y, b) for x, y in zip(sums, new_sums, strict=True)
+    )
+    return next_m, ref, merged
+
+
+def _block_starts(score_blocks, channel_blocks, init_m, init_channels):
+    """Pass 1 and the scan across blocks: the state before each block, and after the last.
+
+    Returns ``(start_m [..., N], start_sums, final_m [...], final_sums)``.
+    """
+    batch_ndim = score_blocks.ndim - 2
+    # each block's total, relative to the block's max
+    block_max = jax.lax.stop_gradient(jnp.max(score_blocks, axis=-1))
+    weights = jnp.exp(score_blocks - _reference(block_max)[..., None])
+    totals = tuple(jnp.sum(_scale_channel(c, weights), axis=batch_ndim + 1) for c in channel_blocks)
+
+    def across(state, total):
+        next_m, _, next_sums = _merge_sums(*state, *total)
+        return (next_m, next_sums), state
+
+    time_major = (
+        jnp.moveaxis(block_max, batch_ndim, 0),
+        tuple(jnp.moveaxis(t, batch_ndim, 0) for t in totals),
+    )
+    (final_m, final_sums), (start_m, start_sums) = jax.lax.scan(
+        across, (init_m, init_channels), time_major
+    )
+    start_m = jnp.moveaxis(start_m, 0, batch_ndim)
+    start_sums = tuple(jnp.moveaxis(x, 0, batch_ndim) for x in start_sums)
+    return start_m, start_sums, final_m, final_sums
+
+
+def _positions_in_place(readout, start_m, start_sums, scores, channels, extras):
     """Pass 2 as a ``fori_loop`` over the C positions, writing [..., N, C, *] in place."""
     position_axis = scores.ndim - 1
     chunk_size = scores.shape[-1]
@@ -741,7 +754,9 @@ def _positions_in_place(merge, readout, start_m, start_sums, scores, channels, e
 
     def position(c, carry):
         m, sums, outs = carry
-        next_m, ref, sums = merge(m, sums, take(scores, c), tuple(take(x, c) for x in channels))
+        next_m, ref, sums = _merge_sums(
+            m, sums, take(scores, c), tuple(take(x, c) for x in channels)
+        )
         values = readout(ref, sums, tuple(take(x, c) for x in extras))
         outs = tuple(
             jax.lax.dynamic_update_index_in_dim(o, v, c, position_axis)
