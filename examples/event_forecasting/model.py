@@ -10,7 +10,8 @@ Bae et al. 2023's ``thp_mix``):
   predicts event ``j + 1``;
 * the causal stack (``aaren_jax.Aaren`` or ``aaren_jax.Transformer``, same hyperparameters);
 * a tanh MLP to the parameters of a mixture of K log-normals on the inter-event time and to
-  the logits of a categorical over marks.
+  the logits of a categorical over marks; optionally (``copy_marks``, Wikipedia) a copy head
+  that adds context-gated bonuses for the previous event's mark and for the marks seen so far.
 
 Streaming: ``make_streamer(model)`` gives ``start(t_start) -> (state, dist)`` and
 ``predict_next(state, event) -> (state, dist)``, one ``model.step`` per event (O(1) time and
@@ -149,6 +150,7 @@ class EventModel(nnx.Module):
       hidden: the decoders' shared tanh layer.
       time_head: to the 3K mixture parameters.
       mark_head: to the M mark logits (None when M = 1).
+      copy_gate: to the two copy-head gates (None unless ``copy_marks`` and M > 1).
     """
 
     def __init__(
