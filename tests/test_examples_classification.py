@@ -91,12 +91,15 @@ def test_read_ts_missing_values_and_timestamps(tmp_path):
 
 
 @needs_data
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("backbone", ["aaren", "transformer"])
-def test_one_training_step(backbone, tmp_path):
+def test_one_training_step(backbone, causal, tmp_path):
     cfg = configs.tiny_config("JapaneseVowels", backbone)
     cfg.loop.max_steps = 1
+    cfg.model.causal = causal
     record = train.train_and_evaluate(cfg, str(tmp_path))
     assert record["steps"] == 1 and record["model"] == backbone
+    assert record["causal"] is causal
     assert 0.0 <= record["accuracy"] <= 100.0
     assert (tmp_path / "result.json").exists()
 
@@ -108,5 +111,8 @@ def test_sweep_is_resumable(tmp_path):
     results = tmp_path / "results.json"
     args = ["--datasets", "JapaneseVowels", "--models", "aaren", "--seeds", "0", "1"]
     args += ["--results", str(results)]
-    done = {("JapaneseVowels", "aaren", 0)}
+    done = {("JapaneseVowels", "aaren", 0, True)}
     assert sweep.pending_runs(sweep.parse_args(args), done) == [("JapaneseVowels", "aaren", 1)]
+    # a causal record does not count for the bidirectional run
+    both = [("JapaneseVowels", "aaren", 0), ("JapaneseVowels", "aaren", 1)]
+    assert sweep.pending_runs(sweep.parse_args([*args, "--bidirectional"]), done) == both

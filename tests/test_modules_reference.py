@@ -32,7 +32,7 @@ def _heads(x, num_heads):
     return x.reshape(batch, length, num_heads, width // num_heads).transpose(0, 2, 1, 3)
 
 
-def _reference(layer, x, mask, learned_query):
+def _reference(layer, x, mask, learned_query, causal=True):
     # A masked token's content is ignored (garbage there never leaks): the layer sees 0.
     x = np.where(mask[..., None], np.asarray(x, np.float64), 0.0)
     batch, length, width = x.shape
@@ -48,7 +48,8 @@ def _reference(layer, x, mask, learned_query):
         q = _heads(_linear(layer.q_proj, x), num_heads)
         logits = q @ k.transpose(0, 1, 3, 2)
     logits = logits / np.sqrt(head_dim)
-    allowed = np.tril(np.ones((length, length), bool))[None, None] & mask[:, None, None, :]
+    order = np.tril(np.ones((length, length), bool)) if causal else np.ones((length, length), bool)
+    allowed = order[None, None] & mask[:, None, None, :]
     out = _softmax_rows(logits, allowed) @ v  # [B, H, T, D]
     out = out.transpose(0, 2, 1, 3).reshape(batch, length, width)
     return _linear(layer.o_proj, out)
@@ -67,6 +68,50 @@ def test_attention_layers_match_float64_equations(learned_query):
     expected = _reference(layer, x, mask, learned_query)
     valid = mask.cumsum(-1) > 0  # positions after the first valid token
     np.testing.assert_allclose(np.asarray(got)[valid], expected[valid], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("learned_query", [True, False])
+def test_bidirectional_layers_match_float64_full_softmax(learned_query):
+    """causal=False: every position attends over every valid token of the sequence; NaN at
+    masked tokens changes nothing; all-masked rows give the output bias."""
+    cls = aj.AarenAttention if learned_query else aj.CausalSelfAttention
+    layer = cls(16, 4, causal=False, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 9, 16)).astype(np.float32)
+    mask = np.ones((4, 9), bool)
+    mask[1, :4] = False  # left padding
+    mask[2] = rng.random(9) > 0.3
+    mask[3] = False  # nothing to attend
+    garbage = np.where(mask[..., None], x, np.nan).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, m: layer(x, mask=m))(garbage, mask))
+    expected = _reference(layer, x, mask, learned_query, causal=False)
+    np.testing.assert_allclose(got[mask], expected[mask], atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(got[3], np.broadcast_to(layer.o_proj.bias[...], (9, 16)))
+    if learned_query:  # one query: the same attention output at every position of a row
+        np.testing.assert_allclose(got[0], np.broadcast_to(got[0, :1], (9, 16)), rtol=1e-6)
+    causal = cls(16, 4, rngs=nnx.Rngs(3))
+    assert not np.allclose(np.asarray(causal(x, mask=mask))[0, 0], got[0, 0])
+
+
+@pytest.mark.parametrize("model", [aj.Aaren, aj.Transformer])
+def test_bidirectional_stack_is_permutation_equivariant_and_cannot_stream(model):
+    """Without positions, a bidirectional stack's output follows a permutation of its
+    tokens (a causal one's does not); it has no carry, and says so."""
+    net = model(2, 8, 2, 16, causal=False, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(1).normal(size=(2, 6, 8)).astype(np.float32)
+    perm = np.array([3, 0, 5, 1, 4, 2])
+    y = np.asarray(net(x))
+    np.testing.assert_allclose(np.asarray(net(x[:, perm])), y[:, perm], atol=2e-5, rtol=1e-5)
+    grads = jax.grad(lambda x: net(x).sum())(x)
+    assert np.all(np.isfinite(grads))
+    with pytest.raises(ValueError, match="causal=False"):
+        net(x, return_carry=True)
+    with pytest.raises(ValueError, match="causal=False"):
+        net.init_carry(2, max_len=8)
+    with pytest.raises(ValueError, match="causal=False"):
+        net.step(None, x[:, 0])
+    with pytest.raises(ValueError, match="rsa needs causal=True"):
+        model(1, 8, 2, 16, causal=False, rsa=aj.REMConfig((1, 0, 0, 0, 0, 0)), rngs=nnx.Rngs(0))
 
 
 def _rem_reference(rsa, mask):

@@ -21,6 +21,7 @@ class ModelConfig:
     value_embedding: str = "linear"  # "linear" or "conv" (causal, kernel 3) on the channels
     positional: bool = True  # add sinusoidal positions (both models)
     pooling: str = "mean"  # masked "mean" over time or "last" valid token (chosen on validation)
+    causal: bool = True  # False: a bidirectional stack (every position sees the whole series)
 
 
 @dataclasses.dataclass

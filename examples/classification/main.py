@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumably) after N steps")
     p.add_argument("--epochs", type=int, default=None, help="override max epochs")
     p.add_argument("--pooling", choices=["last", "mean"], default=None)
+    p.add_argument(
+        "--bidirectional", action="store_true", help="causal=False: every position sees the series"
+    )
     p.add_argument("--d-model", type=int, default=None, help="override the model width")
     p.add_argument("--layers", type=int, default=None, help="override the number of blocks")
     p.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
@@ -64,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
         cfg.loop.max_epochs = args.epochs
     if args.pooling is not None:
         cfg.model.pooling = args.pooling
+    cfg.model.causal = not args.bidirectional
     if args.d_model is not None:
         cfg.model.d_model, cfg.model.d_ff = args.d_model, 2 * args.d_model
     if args.layers is not None:
@@ -86,7 +90,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     initialize_distributed(args)
     cfg = config_from_args(args)
-    name = f"{cfg.data.dataset}_{cfg.model.backbone}_{cfg.loop.seed}"
+    direction = "" if cfg.model.causal else "_bidirectional"
+    name = f"{cfg.data.dataset}_{cfg.model.backbone}{direction}_{cfg.loop.seed}"
     workdir = args.workdir or str(default_run_dir("classification", name, cfg))
     logging.info("run folder %s", workdir)
     try:

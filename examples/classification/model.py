@@ -39,6 +39,7 @@ class Classifier(nnx.Module):
             cfg.d_ff,
             dropout=cfg.dropout,
             norm=cfg.norm,
+            causal=cfg.causal,
             rngs=rngs,
         )
         self.head_norm = nnx.LayerNorm(cfg.d_model, rngs=rngs)

@@ -25,7 +25,7 @@ from examples.common.paths import ensure_importable, runs_root  # noqa: E402
 from examples.common.results import results_path  # noqa: E402
 from examples.common.runs import config_hash  # noqa: E402
 
-KEY = ("dataset", "model", "seed")
+KEY = ("dataset", "model", "seed", "causal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--datasets", nargs="+", default=list(data.DATASETS))
     p.add_argument("--models", nargs="+", default=["aaren", "transformer"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--bidirectional", action="store_true", help="run the models with causal=False")
     p.add_argument(
         "--results",
         default=None,
@@ -55,12 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
     """The (dataset, model, seed) runs not yet recorded, in sweep order."""
+    causal = not args.bidirectional
     return [
         (ds, model, seed)
         for ds in args.datasets
         for model in args.models
         for seed in args.seeds
-        if (ds, model, seed) not in done
+        if (ds, model, seed, causal) not in done
     ]
 
 
@@ -70,7 +72,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.results = str(results_path(args.results, "classification"))
     logging.info("records go to %s", args.results)
-    done = {record_key(r, KEY) for r in load_records(args.results)}
+    # records from before the option existed are causal runs
+    done = {record_key({"causal": True, **r}, KEY) for r in load_records(args.results)}
     runs = pending_runs(args, done)
     logging.info("%d runs done, %d pending", len(done), len(runs))
     if args.dry_run:
@@ -84,12 +87,14 @@ def main(argv=None) -> None:
         cfg = configs.get_config(ds, model, seed)
         cfg.data.data_root = args.data_root
         cfg.loop.progress = not args.no_progress
+        cfg.model.causal = not args.bidirectional
         if ds not in cache:
             cache.clear()
             dc = cfg.data
             cache[ds] = data.load_dataset(ds, dc.data_root, dc.val_fraction, dc.split_seed)
         # one folder per configuration: a changed default never meets an old run
-        workdir = Path(args.workdir_root) / f"{ds}_{model}_{seed}-{config_hash(cfg)}"
+        direction = "" if cfg.model.causal else "_bidirectional"
+        workdir = Path(args.workdir_root) / f"{ds}_{model}{direction}_{seed}-{config_hash(cfg)}"
         record = train.train_and_evaluate(cfg, str(workdir), data=cache[ds])
         append_record(args.results, record)
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)

@@ -116,6 +116,7 @@ def train_and_evaluate(
         "dataset": dc.dataset,
         "model": config.model.backbone,
         "seed": config.loop.seed,
+        "causal": config.model.causal,
         "accuracy": 100.0 * test["accuracy"],
         "val_accuracy": 100.0 * val["accuracy"],
         "test_nll": test["nll"],

@@ -30,9 +30,10 @@ def make_backbone(
     *,
     dropout: float = 0.0,
     norm: str = "pre",
+    causal: bool = True,
     rngs: nnx.Rngs,
 ) -> nnx.Module:
-    """Builds a causal stack, ``y = model(x, mask=None)`` with x, y [B, T, d] and mask [B, T].
+    """Builds a stack, ``y = model(x, mask=None)`` with x, y [B, T, d] and mask [B, T].
 
     Args:
       kind: "aaren" or "transformer"; both get exactly the same hyperparameters.
@@ -42,6 +43,7 @@ def make_backbone(
       d_ff: MLP hidden width.
       dropout: dropout rate inside the blocks.
       norm: "pre" or "post" LayerNorm.
+      causal: False for a bidirectional stack (every position sees the whole sequence).
       rngs: parameter and dropout randomness.
 
     Returns:
@@ -62,5 +64,5 @@ def make_backbone(
     if kind not in classes:
         raise ValueError(f"unknown backbone {kind!r}; expected one of {BACKBONES}")
     return classes[kind](
-        num_layers, d_model, num_heads, d_ff, dropout=dropout, norm=norm, rngs=rngs
+        num_layers, d_model, num_heads, d_ff, dropout=dropout, norm=norm, causal=causal, rngs=rngs
     )

@@ -47,8 +47,8 @@ from aaren_jax.scan import (
     accumulation_dtype,
     as_shape,
     check_chunk_size,
+    checked_prefix_attention,
     init_state,
-    prefix_attention,
 )
 
 Array = jax.Array
@@ -280,8 +280,18 @@ class SequenceModule(nnx.Module):
           ``y`` [B, T, d], or ``(y, carry)`` when ``return_carry``.
         """
         x, mask = check_inputs(x, mask, self.d_model)
+        if carry is not None or return_carry:
+            self._check_streamable()
         y, carry = self.forward(x, mask, carry, max_len)
         return (y, carry) if return_carry else y
+
+    def _check_streamable(self) -> None:
+        if not getattr(self, "causal", True):
+            raise ValueError(
+                f"{type(self).__name__}(causal=False) has no carry: every position attends over "
+                "the whole sequence, so it cannot continue or stream; call it on the whole "
+                "sequence without carry/return_carry, or build it with causal=True"
+            )
 
     def step(self, carry, x_t: Array, mask_t: Array | None = None):
         """Advances by one token: ``__call__`` on a sequence of length 1.
@@ -295,6 +305,7 @@ class SequenceModule(nnx.Module):
           ``(carry, y_t)`` with ``y_t`` [B, d].
         """
         x_t, mask_t = check_inputs(x_t, mask_t, self.d_model, name="x_t", ndim=2)
+        self._check_streamable()
         if carry is None:
             raise TypeError("step needs a carry: pass init_carry(...) or a prefill's carry")
         y, carry = self.forward(x_t[:, None], None if mask_t is None else mask_t[:, None], carry)
@@ -317,10 +328,16 @@ class _Attention(SequenceModule):
         param_dtype,
         kernel_init,
         rsa: REMConfig | None,
+        causal: bool,
         rngs: nnx.Rngs,
     ):
         self.head_dim = check_heads(d_model, num_heads)
-        self.d_model, self.num_heads = d_model, num_heads
+        if not causal and rsa is not None:
+            raise ValueError(
+                "rsa needs causal=True: the REM recurrence runs forward in time (the RSA "
+                "paper's unmasked, two-sided REMs are not implemented)"
+            )
+        self.d_model, self.num_heads, self.causal = d_model, num_heads, bool(causal)
         self.dtype, self.param_dtype = dtype, param_dtype
 
         def linear():
@@ -346,6 +363,7 @@ class _Attention(SequenceModule):
     def init_carry(self, batch_size: int, max_len: int | None = None):
         """The empty carry (see the subclass); with RSA an ``RSAState`` with an empty REM."""
         batch = check_batch_size(batch_size)
+        self._check_streamable()
         own = self._init_own_carry(batch, max_len)
         if self.rsa is None:
             return own
@@ -367,7 +385,15 @@ class _Attention(SequenceModule):
         else:
             own, rem = self._split_carry(carry, batch)
         values = self._heads(self.v_proj(x))
-        out, own = self._mix(x, values, mask, own, max_len)  # [B, H, T, D]
+        if self.causal:
+            out, own = self._mix(x, values, mask, own, max_len)  # [B, H, T, D]
+        else:
+            valid = jnp.ones((batch, length), jnp.bool_) if mask is None else mask
+            # every query sees every valid token; masked inputs were zeroed (finite values)
+            keys = (self._heads(self.k_proj(x)), values, valid[:, None, None, :])
+            out = jnp.broadcast_to(
+                masked_attention(self._queries(x), [keys], guarded=(False,)), values.shape
+            )
         if self.rsa is not None:
             out, rem = self.rsa(out, values, mask, rem)
             own = RSAState(own, rem)
@@ -436,6 +462,7 @@ class AarenAttention(_Attention):
         kernel_init=_DEFAULT_KERNEL_INIT,
         query_init=_DEFAULT_QUERY_INIT,
         rsa: REMConfig | None = None,
+        causal: bool = True,
         rngs: nnx.Rngs,
     ):
         """Builds the layer.
@@ -451,6 +478,10 @@ class AarenAttention(_Attention):
           query_init: initialiser of ``q0``; unit normal so that ``W_q q0`` has unit-scale
             entries under LeCun-normal ``W_q``, like a Transformer's queries.
           rsa: a ``REMConfig`` to gate REMs into the heads (RSA-Aaren), or None (plain).
+          causal: False for a bidirectional Aaren: every position gets the attention of the
+            learned query over every valid token (the forward prefix state at t combined
+            with the reverse suffix state after t is the whole sequence's state, so it is
+            one softmax, computed once); no carry, no ``step``; not with ``rsa``.
           rngs: parameter RNGs.
 
         Raises:
@@ -466,6 +497,7 @@ class AarenAttention(_Attention):
             param_dtype=param_dtype,
             kernel_init=kernel_init,
             rsa=rsa,
+            causal=causal,
             rngs=rngs,
         )
         self.method, self.chunk_size = method, chunk_size
@@ -488,25 +520,30 @@ class AarenAttention(_Attention):
                 f"carry.w has shape {tuple(carry.w.shape)}, this layer needs [B, H, D] = {want}"
             )
 
+    def _query(self) -> Array:
+        """The learned query per head, scaled by ``1/sqrt(D)``, in the state dtype. [H, D]"""
+        q = self.q_proj(self.q0[...]).astype(self.state_dtype)
+        # Scaling the H*D query once is cheaper than scaling B*H*T scores.
+        return q.reshape(self.num_heads, self.head_dim) / math.sqrt(self.head_dim)
+
+    def _queries(self, x: Array) -> Array:
+        """[B, H, 1, D]: the one query, for the bidirectional softmax."""
+        shape = (x.shape[0], self.num_heads, 1, self.head_dim)
+        return jnp.broadcast_to(self._query()[None, :, None], shape)
+
     def _mix(self, x: Array, values: Array, mask: Array | None, carry, max_len):
         del max_len
         if carry is None:
             carry = self._init_own_carry(x.shape[0], None)
         acc = self.state_dtype
-        q = self.q_proj(self.q0[...]).astype(acc)
-        # Scaling the H*D query once is cheaper than scaling B*H*T scores.
-        q = q.reshape(self.num_heads, self.head_dim) / math.sqrt(self.head_dim)
+        q = self._query()
         keys = self.k_proj(x).reshape(*x.shape[:2], self.num_heads, self.head_dim)
         # sum(k * q) rather than einsum: faster on CPU at long T (MEASUREMENTS pitfall 5).
         scores = jnp.swapaxes(jnp.sum(keys.astype(acc) * q[None, None], axis=-1), 1, 2)  # [B, H, T]
         head_mask = None if mask is None else jnp.broadcast_to(mask[:, None], scores.shape)
-        return prefix_attention(
-            scores,
-            values,
-            head_mask,
-            initial_state=carry,
-            method=self.method,
-            chunk_size=self.chunk_size,
+        # validated at the layer's boundary: the core runs unchecked
+        return checked_prefix_attention(
+            scores, values, head_mask, carry, self.method, check_chunk_size(self.chunk_size)
         )
 
 
@@ -674,6 +711,7 @@ class CausalSelfAttention(_Attention):
         param_dtype=jnp.float32,
         kernel_init=_DEFAULT_KERNEL_INIT,
         rsa: REMConfig | None = None,
+        causal: bool = True,
         rngs: nnx.Rngs,
     ):
         """Builds the layer.
@@ -685,6 +723,8 @@ class CausalSelfAttention(_Attention):
           param_dtype: dtype of the parameters.
           kernel_init: initialiser of the four projection kernels.
           rsa: a ``REMConfig`` to make the heads RSA heads, or None (plain).
+          causal: False for bidirectional attention: every position attends over every
+            valid token of the sequence (no carry, no ``step``; not with ``rsa``).
           rngs: parameter RNGs.
         """
         super().__init__(
@@ -694,6 +734,7 @@ class CausalSelfAttention(_Attention):
             param_dtype=param_dtype,
             kernel_init=kernel_init,
             rsa=rsa,
+            causal=causal,
             rngs=rngs,
         )
 
@@ -725,10 +766,13 @@ class CausalSelfAttention(_Attention):
                 f"{carry.k.shape} / {carry.v.shape}"
             )
 
+    def _queries(self, x: Array) -> Array:
+        """[B, H, T, D], scaled by ``1/sqrt(D)``."""
+        return self._heads(self.q_proj(x)) * jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
+
     def _mix(self, x: Array, values: Array, mask: Array | None, cache, max_len):
         batch, length, _ = x.shape
-        scale = jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
-        q = self._heads(self.q_proj(x)) * scale
+        q = self._queries(x)
         keys = self._heads(self.k_proj(x))
         valid = jnp.ones((batch, length), jnp.bool_) if mask is None else mask
         causal = jnp.tril(jnp.ones((length, length), jnp.bool_))[None, None]

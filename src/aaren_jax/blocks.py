@@ -43,12 +43,15 @@ class Mixer:
       method: ``prefix_attention`` method of Aaren's parallel pass.
       chunk_size: ``prefix_attention`` chunk size (Aaren).
       rsa: a ``REMConfig`` gating REMs into every head (RSA), or None.
+      causal: False for a bidirectional mixer: every position attends over the whole
+        sequence (no carry, no ``step``; an encoder, e.g. for classification).
     """
 
     kind: str = "aaren"
     method: str = "auto"
     chunk_size: int | None = None
     rsa: REMConfig | None = None
+    causal: bool = True
 
     def __post_init__(self):
         if self.kind not in MIXERS:
@@ -56,7 +59,9 @@ class Mixer:
 
     def build(self, d_model: int, num_heads: int, *, dtype, param_dtype, rngs) -> SequenceModule:
         """The attention layer this configuration names."""
-        common = dict(dtype=dtype, param_dtype=param_dtype, rsa=self.rsa, rngs=rngs)
+        common = dict(
+            dtype=dtype, param_dtype=param_dtype, rsa=self.rsa, causal=self.causal, rngs=rngs
+        )
         if self.kind == "aaren":
             return AarenAttention(
                 d_model, num_heads, method=self.method, chunk_size=self.chunk_size, **common
@@ -119,6 +124,7 @@ class Block(SequenceModule):
             d_model, num_heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.d_model, self.d_ff, self.norm = d_model, d_ff, norm
+        self.causal = mixer.causal
         self.activation = activation
         self.norm1 = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.norm2 = nnx.LayerNorm(d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -170,12 +176,13 @@ class AarenBlock(Block):
         method: str = "auto",
         chunk_size: int | None = None,
         rsa: REMConfig | None = None,
+        causal: bool = True,
         **options,
     ):
-        """Builds the block: ``method``, ``chunk_size``, ``rsa`` as in ``Mixer``; the
+        """Builds the block: ``method``, ``chunk_size``, ``rsa``, ``causal`` as in ``Mixer``; the
         other options (``dropout``, ``norm``, ``activation``, ``dtype``, ``param_dtype``,
         ``rngs``) as in ``Block``."""
-        mixer = Mixer("aaren", method=method, chunk_size=chunk_size, rsa=rsa)
+        mixer = Mixer("aaren", method=method, chunk_size=chunk_size, rsa=rsa, causal=causal)
         super().__init__(mixer, d_model, num_heads, d_ff, **options)
 
 
@@ -195,7 +202,16 @@ class TransformerBlock(Block):
     """
 
     def __init__(
-        self, d_model: int, num_heads: int, d_ff: int, *, rsa: REMConfig | None = None, **options
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        *,
+        rsa: REMConfig | None = None,
+        causal: bool = True,
+        **options,
     ):
-        """Builds the block: ``rsa`` as in ``Mixer``; the other options as in ``Block``."""
-        super().__init__(Mixer("transformer", rsa=rsa), d_model, num_heads, d_ff, **options)
+        """Builds the block: ``rsa``, ``causal`` as in ``Mixer``; the other options as in
+        ``Block``."""
+        mixer = Mixer("transformer", rsa=rsa, causal=causal)
+        super().__init__(mixer, d_model, num_heads, d_ff, **options)

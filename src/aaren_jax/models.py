@@ -98,7 +98,7 @@ class Stack(SequenceModule):
         """
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-        self.mixer, self.d_model = mixer, d_model
+        self.mixer, self.d_model, self.causal = mixer, d_model, mixer.causal
         self.blocks = nnx.List(
             [
                 Block(mixer, d_model, num_heads, d_ff, rngs=rngs, **block_options)
@@ -163,9 +163,11 @@ class Aaren(Stack):
 
     Args (of the constructor): ``num_layers, d_model, num_heads, d_ff`` and the keywords
     ``dropout=0.0, norm="pre", final_norm=True, activation=nnx.gelu, dtype=None,
-    param_dtype=float32, method="auto", chunk_size=None, rsa=None, rngs`` (see ``Stack``,
-    ``Block`` and ``Mixer``). ``rsa=REMConfig(...)`` gives RSA-Aaren: every layer gets a
-    gate ``mu`` and REMs per head, ``o_t = (1 - sigmoid(mu)) aaren_t + sigmoid(mu) rem_t``.
+    param_dtype=float32, method="auto", chunk_size=None, rsa=None, causal=True, rngs`` (see
+    ``Stack``, ``Block`` and ``Mixer``). ``rsa=REMConfig(...)`` gives RSA-Aaren: every layer
+    gets a gate ``mu`` and REMs per head, ``o_t = (1 - sigmoid(mu)) aaren_t + sigmoid(mu)
+    rem_t``. ``causal=False`` gives a bidirectional Aaren: every position attends over the
+    whole sequence (an encoder; no carry and no ``step``).
 
     Attributes:
       blocks: the ``num_layers`` ``Block``s.
@@ -191,9 +193,10 @@ class Aaren(Stack):
         method: str = "auto",
         chunk_size: int | None = None,
         rsa: REMConfig | None = None,
+        causal: bool = True,
         **options,
     ):
-        mixer = Mixer("aaren", method=method, chunk_size=chunk_size, rsa=rsa)
+        mixer = Mixer("aaren", method=method, chunk_size=chunk_size, rsa=rsa, causal=causal)
         super().__init__(mixer, num_layers, d_model, num_heads, d_ff, **options)
 
 
@@ -227,7 +230,8 @@ class Transformer(Stack):
         d_ff: int,
         *,
         rsa: REMConfig | None = None,
+        causal: bool = True,
         **options,
     ):
-        mixer = Mixer("transformer", rsa=rsa)
+        mixer = Mixer("transformer", rsa=rsa, causal=causal)
         super().__init__(mixer, num_layers, d_model, num_heads, d_ff, **options)

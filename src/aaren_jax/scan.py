@@ -544,17 +544,30 @@ def prefix_attention(
             "value axis D: [..., T, D]"
         )
     mask = check_mask(mask, scores.shape, "scores")
-    batch_shape, num_tokens, dim = scores.shape[:-1], scores.shape[-1], values.shape[-1]
     chunk_size = check_chunk_size(chunk_size)
-    method = resolve_method(method, num_tokens)
-    if method == "single" and num_tokens != 1:
-        raise ValueError(f'method "single" takes one token, got T = {num_tokens}')
+    if resolve_method(method, scores.shape[-1]) == "single" and scores.shape[-1] != 1:
+        raise ValueError(f'method "single" takes one token, got T = {scores.shape[-1]}')
+    if initial_state is not None:
+        check_state(initial_state, scores.shape[:-1], values.shape[-1], "initial_state")
+    return checked_prefix_attention(scores, values, mask, initial_state, method, chunk_size)
 
+
+def checked_prefix_attention(
+    scores: Array,
+    values: Array,
+    mask: Array | None,
+    initial_state: AttentionState | None,
+    method: str,
+    chunk_size: int,
+) -> tuple[Array, AttentionState]:
+    """``prefix_attention`` on arguments its caller has validated (the layers' path: their
+    inputs are checked once, at their public boundary)."""
+    batch_shape, num_tokens, dim = scores.shape[:-1], scores.shape[-1], values.shape[-1]
+    method = resolve_method(method, num_tokens)
     acc = accumulation_dtype(scores.dtype, values.dtype)
     if initial_state is None:
         initial_state = init_state(batch_shape, dim, acc)
     else:
-        check_state(initial_state, batch_shape, dim, "initial_state")
         acc = accumulation_dtype(acc, initial_state.u.dtype)
         initial_state = jax.tree.map(lambda x: jnp.asarray(x, acc), initial_state)
     if num_tokens == 0:
