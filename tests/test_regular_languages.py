@@ -107,5 +107,3 @@ def test_unknown_positional_is_rejected():
         train.LanguageModel(
             train.Config(positional="learned"), vocab_in=3, vocab_out=3, rngs=nnx.Rngs(0)
         )
-
-
