@@ -8,7 +8,14 @@ Each configuration keeps the tokens per batch constant (``--tokens``, default 16
 step is ``jax.value_and_grad`` of a mean-square loss with respect to the block's parameters
 (the input's gradient too, as a block inside a stack needs it), jitted, in float32; the
 compile is excluded and timed apart, one warm-up call excluded, then min and median of the
-repeats. Aaren and the Transformer are timed alternately at each N (same noise).
+repeats.
+
+A floor is measured in the same run: the same block with the attention's mixing replaced by
+the identity (``FloorBlock``: LayerNorms, the Aaren attention's k, v and o projections, the
+MLP; no scan, no scores; the matmul work any block of this shape must do). The floor, Aaren
+and the Transformer are interleaved at each N, round by round (same noise), and each kind's
+tokens/s is reported as a fraction of the floor's, per round (min, median, max over rounds)
+and from the medians. The Transformer has one more projection (q) than the floor.
 
 A configuration whose projected step time exceeds ``--budget`` seconds (projected from the
 previous N: a Transformer's attention cost per batch grows like ``B N^2 = tokens * N``), or
@@ -21,6 +28,8 @@ Writes ``results/training_<backend>.json`` (also printed).
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +39,30 @@ from _common import REPO, machine_info, summary, timed, write_json
 from flax import nnx
 
 import aaren_jax as aj
+
+
+class FloorBlock(nnx.Module):
+    """An Aaren block with the attention's mixing replaced by the identity.
+
+    ``x + o(v(LN1 x) + k(LN1 x))`` then ``x + MLP(LN2 x)``: the block's norms, the Aaren
+    attention's three projections (k's output is added so that it is not dead code) and its
+    MLP, built from an ``AarenBlock``'s own parts.
+    """
+
+    def __init__(self, block: aj.AarenBlock):
+        self.norm1, self.norm2 = block.norm1, block.norm2
+        attention = block.attention
+        self.k_proj, self.v_proj, self.o_proj = attention.k_proj, attention.v_proj, attention.o_proj
+        self.mlp_in, self.mlp_out, self.activation = block.mlp_in, block.mlp_out, block.activation
+
+    def __call__(self, x):
+        h = self.norm1(x)
+        x = x + self.o_proj(self.v_proj(h) + self.k_proj(h))
+        return x + self.mlp_out(self.activation(self.mlp_in(self.norm2(x))))
+
+
+def make_floor(d: int, h: int, f: int, *, rngs: nnx.Rngs) -> FloorBlock:
+    return FloorBlock(aj.AarenBlock(d, h, f, rngs=rngs))
 
 
 def make_train_step(module: nnx.Module):
@@ -80,7 +113,7 @@ def main() -> None:
     out = args.out or REPO / "results" / f"training_{backend}.json"
     started = time.perf_counter()
     d, h, f = args.d_model, args.heads, args.d_ff
-    kinds = {"aaren": aj.AarenBlock, "transformer": aj.TransformerBlock}
+    kinds = {"floor": make_floor, "aaren": aj.AarenBlock, "transformer": aj.TransformerBlock}
 
     rows, last_seconds = [], {}
     for n in sorted(args.lengths):
@@ -123,26 +156,45 @@ def main() -> None:
             steps[kind] = (compiled, params)
             row[kind] = {"compile_s": round(compile_s, 2), "warmup_s": round(first, 3), "times": []}
             last_seconds[kind] = (n, first)
-        # Alternate the kinds, so that both see the same noise; fewer repeats of slow steps.
+        # Interleave the kinds round by round, so that all see the same noise; fewer rounds
+        # of slow steps.
         slow = any(row[k]["warmup_s"] > 5 for k in steps)
         row["repeats"] = 2 if slow else args.repeats
         for _ in range(row["repeats"]):
             for kind, (compiled, params) in steps.items():
                 row[kind]["times"].append(timed(compiled, params, x, target)[0])
+        floor_times = row["floor"]["times"] if "floor" in steps else None
         for kind in steps:
             times = row[kind].pop("times")
             row[kind]["step_ms"] = summary(times, 1e3, 1)
+            row[kind]["step_ms_per_round"] = [round(1e3 * t, 1) for t in times]
             row[kind]["tokens_per_s"] = {
                 "max": round(tokens / min(times)),
-                "median": round(tokens / sorted(times)[len(times) // 2]),
+                "median": round(tokens / statistics.median(times)),
             }
+            if floor_times is not None and kind != "floor":
+                # same round, same noise: floor time / kind time = kind tokens/s / floor's
+                per_round = [f / t for f, t in zip(floor_times, times, strict=True)]
+                row[kind]["fraction_of_floor"] = {
+                    "of_medians": round(
+                        statistics.median(floor_times) / statistics.median(times), 3
+                    ),
+                    "per_round_min": round(min(per_round), 3),
+                    "per_round_median": round(statistics.median(per_round), 3),
+                    "per_round_max": round(max(per_round), 3),
+                }
             last_seconds[kind] = (n, min(times))
-        if all(isinstance(row[k], dict) for k in kinds):
+        if all(isinstance(row[k], dict) for k in ("aaren", "transformer")):
             row["aaren_speedup_median"] = round(
                 row["transformer"]["step_ms"]["median"] / row["aaren"]["step_ms"]["median"], 2
             )
         rows.append(row)
-        print(f"N={n}: {row}", flush=True)
+        fractions = {
+            k: row[k]["fraction_of_floor"]["of_medians"]
+            for k in ("aaren", "transformer")
+            if isinstance(row[k], dict) and "fraction_of_floor" in row[k]
+        }
+        print(f"N={n} B={batch}: fraction of the floor's tokens/s {fractions}", flush=True)
         del steps
 
     # Compile time of a whole model's forward+backward.
@@ -172,10 +224,16 @@ def main() -> None:
             "repeats": args.repeats,
             "budget_s_per_step": args.budget,
             "aaren_method": "auto",
+            "lengths": sorted(args.lengths),
         },
+        "command": "python " + " ".join(sys.argv),
         "machine": machine_info(),
         "method": "one block, jax.jit(jax.value_and_grad(mean((block(x) - target)^2)) w.r.t. "
-        "params and x); compile and one warm-up excluded; kinds alternated; min and median",
+        "params and x); compile and one warm-up excluded; floor, aaren, transformer "
+        "interleaved round by round; min and median; fraction_of_floor = floor step time / "
+        "kind step time (= kind tokens/s / floor tokens/s), per round and of the medians",
+        "floor": "FloorBlock: the Aaren block's LayerNorms, k, v, o projections and MLP, "
+        "mixing replaced by the identity (o(v(h) + k(h)))",
         "blocks": rows,
         "compile_s_fwd_bwd": {
             "layers": args.compile_layers,
