@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from aaren_jax.scan import AttentionState, combine, init_state, prefix_attention
+from aaren_jax.scan import (
+    AttentionState,
+    accumulation_dtype,
+    combine,
+    init_state,
+    prefix_attention,
+)
 
 Array = jax.Array
 
@@ -175,7 +181,7 @@ def sequence_parallel_prefix_attention(
         )
     if batch_axis_name is not None and scores.ndim == 1:
         raise ValueError("batch_axis_name needs scores with a leading batch axis")
-    accumulate = jnp.promote_types(jnp.result_type(scores, values), jnp.float32)
+    accumulate = accumulation_dtype(scores.dtype, values.dtype)
     outputs, final = _sharded(
         scores.astype(accumulate),
         values.astype(accumulate),
