@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import machine_info
 
 import aaren_jax as aj
 
@@ -82,14 +81,8 @@ def bench_length(length, batch, heads, dim, repeats, methods):
 
 
 def machine():
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "jax": jax.__version__,
-    }
+    """CPU model, core count, jax version, load average (``_common.machine_info``)."""
+    return machine_info()
 
 
 def main():
