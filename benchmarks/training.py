@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch, B * N")
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--slow-repeats", type=int, default=2, help="rounds when a warm-up step took over 5 s"
+    )
     parser.add_argument("--budget", type=float, default=60.0, help="max seconds per step")
     parser.add_argument("--compile-layers", type=int, default=4)
     parser.add_argument("--compile-length", type=int, default=1024)
@@ -159,7 +162,7 @@ def main() -> None:
         # Interleave the kinds round by round, so that all see the same noise; fewer rounds
         # of slow steps.
         slow = any(row[k]["warmup_s"] > 5 for k in steps)
-        row["repeats"] = 2 if slow else args.repeats
+        row["repeats"] = min(args.slow_repeats, args.repeats) if slow else args.repeats
         for _ in range(row["repeats"]):
             for kind, (compiled, params) in steps.items():
                 row[kind]["times"].append(timed(compiled, params, x, target)[0])
@@ -222,6 +225,7 @@ def main() -> None:
             "dtype": "float32",
             "tokens_per_batch": args.tokens,
             "repeats": args.repeats,
+            "slow_repeats": args.slow_repeats,
             "budget_s_per_step": args.budget,
             "aaren_method": "auto",
             "lengths": sorted(args.lengths),
