@@ -3,8 +3,9 @@ examples/offline_rl/report.py results/offline_rl.json``.
 
 One row per (environment, dataset): the D4RL-normalised score of the Decision Transformer and
 of Decision Aaren (windowed, as trained; and streamed over the whole episode), mean ± standard
-deviation over seeds (and the number of seeds), our own normalised score (random = 0, our
-expert SAC policy = 100), and the milliseconds per environment step of each evaluation.
+deviation over seeds (with one seed: over its evaluation episodes), our own normalised score
+(random = 0, our expert SAC policy = 100), and the milliseconds per environment step of each
+evaluation.
 """
 
 from __future__ import annotations
@@ -24,11 +25,19 @@ COLUMNS = (("transformer", "window"), ("aaren", "window"), ("aaren", "stream"))
 HEADER = "Decision Transformer | Decision Aaren (window) | Decision Aaren (stream)"
 
 
-def _cell(values) -> str:
+def _cell(values, episode_std=None) -> str:
+    """mean ± std over seeds (n seeds); with one seed, ± the std over its episodes."""
     v = np.asarray([x for x in values if x is not None], float)
     if not len(v):
         return "-"
-    return f"{v.mean():.1f} ± {v.std():.1f} ({len(v)})"
+    if len(v) == 1 and episode_std is not None:
+        return f"{v[0]:.1f} (1 seed; ± {episode_std:.1f} over episodes)"
+    return f"{v.mean():.1f} ± {v.std():.1f} ({len(v)} seeds)"
+
+
+def _mean(values) -> str:
+    v = [x for x in values if x is not None]
+    return f"{np.mean(v):.1f}" if v else "-"
 
 
 def table(records: list[dict]) -> str:
@@ -46,10 +55,11 @@ def table(records: list[dict]) -> str:
             by = {
                 c: [r for r in rows if (r["model"], r.get("eval", "window")) == c] for c in COLUMNS
             }
-            scores = [_cell(r["score"] for r in by[c]) for c in COLUMNS]
-            own = " / ".join(
-                _cell(r.get("score_own") for r in by[c]).split(" (")[0] for c in COLUMNS
-            )
+            scores = [
+                _cell([r["score"] for r in by[c]], by[c][0]["score_std"] if by[c] else None)
+                for c in COLUMNS
+            ]
+            own = " / ".join(_mean([r.get("score_own") for r in by[c]]) for c in COLUMNS)
             ms = " / ".join(
                 f"{np.mean([r['ms_per_env_step'] for r in by[c]]):.1f}" if by[c] else "-"
                 for c in COLUMNS
