@@ -226,3 +226,23 @@ def test_rsa_config_must_match_heads():
         aj.Transformer(1, 8, 4, 8, rsa=aj.REMConfig((3, 0, 0, 0, 0, 0)), rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="REMConfig"):
         aj.Aaren(1, 8, 2, 8, rsa=(2, 0, 0, 0, 0, 0), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_absent_rem_families_have_no_parameters_and_checkpoint_with_orbax(kind, tmp_path):
+    import orbax.checkpoint as ocp
+
+    # regular heads only: no cyclical head, so no nu or theta (Orbax refuses zero-size arrays)
+    model = build(kind, rsa=aj.REMConfig((3, 0, 0, 3, 0, 0), dilations=2), seed=1)
+    rsa = model.blocks[0].attention.rsa
+    assert rsa.nu is None and rsa.theta is None and rsa.eta[...].shape == (6,)
+    assert rsa.params()["nu"].shape == rsa.params()["theta"].shape == (0,)
+    state = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", state)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", state)
+    other = build(kind, rsa=aj.REMConfig((3, 0, 0, 3, 0, 0), dilations=2), seed=2)
+    nnx.update(other, restored)
+    x = jax.random.normal(jax.random.key(0), (B, T, D_MODEL))
+    np.testing.assert_array_equal(other(x), model(x))

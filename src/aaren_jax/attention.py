@@ -172,6 +172,8 @@ class RecurrenceEncoding(nnx.Module):
       eta: regular heads' ``lambda = tanh(eta)``. [k1 + k4]
       nu: cyclical heads' ``gamma = sigmoid(nu)``. [k2 + k3 + k5 + k6]
       theta: cyclical heads' angles. [k2 + k3 + k5 + k6]
+      A family with no heads has no parameter (None): zero-size arrays cannot be
+      checkpointed by Orbax.
 
     Example:
       >>> rsa = RecurrenceEncoding(REMConfig((3, 1, 1, 0, 0, 0)), 5)
@@ -201,9 +203,10 @@ class RecurrenceEncoding(nnx.Module):
         self.config = config
         params = init_rem_params(config, dtype=param_dtype)
         self.mu = nnx.Param(jnp.asarray(config.mu_init, param_dtype))
-        self.eta = nnx.Param(params["eta"])
-        self.nu = nnx.Param(params["nu"])
-        self.theta = nnx.Param(params["theta"])
+        self.eta, self.nu, self.theta = (
+            nnx.Param(params[name]) if params[name].size else None
+            for name in ("eta", "nu", "theta")
+        )
 
     def gate(self, dtype=None) -> Array:
         """``sigmoid(mu)`` in ``dtype`` (default: float32, or float64 for float64 ``mu``). []"""
@@ -212,7 +215,11 @@ class RecurrenceEncoding(nnx.Module):
 
     def params(self) -> dict[str, Array]:
         """``{"eta", "nu", "theta"}`` for the functions of ``aaren_jax.rem``."""
-        return {"eta": self.eta[...], "nu": self.nu[...], "theta": self.theta[...]}
+        empty = jnp.zeros((0,), self.mu.dtype)  # a family with no heads
+        return {
+            name: empty if param is None else param[...]
+            for name, param in (("eta", self.eta), ("nu", self.nu), ("theta", self.theta))
+        }
 
     def matrices(self, q_len: int, k_len: int, q_offset=0, dtype=None) -> Array:
         """Masked REMs of queries at ``q_offset ..`` against keys ``0 .. k_len-1``. [H, Tq, Tk]"""
