@@ -40,6 +40,24 @@ def test_weight_decay_mask_excludes_query_norms_biases(kind):
         assert any("q0" in p for p in flat)
 
 
+def test_make_backbone_rsa_kinds_carry_their_rems_and_refuse_a_mismatch():
+    import aaren_jax as aj
+
+    rem = aj.REMConfig((1, 1, 0, 0, 0, 0))
+    x = jnp.ones((1, 5, 8))
+    for kind in ("rsa_aaren", "rsa_transformer"):
+        model = make_backbone(kind, 1, 8, 2, 16, rsa=rem, rngs=nnx.Rngs(0))
+        assert model.blocks[0].attention.rsa is not None
+        plain = make_backbone(kind.removeprefix("rsa_"), 1, 8, 2, 16, rngs=nnx.Rngs(0))
+        assert model(x).shape == plain(x).shape == x.shape
+    with pytest.raises(ValueError, match="rsa must be a REMConfig"):
+        make_backbone("rsa_aaren", 1, 8, 2, 16, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rsa must be None"):
+        make_backbone("aaren", 1, 8, 2, 16, rsa=rem, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="unknown backbone"):
+        make_backbone("rsa", 1, 8, 2, 16, rngs=nnx.Rngs(0))
+
+
 def test_optimizer_applies_no_decay_to_masked_leaves():
     params = {"w": jnp.ones((2, 2)), "bias": jnp.ones((2,)), "q0": jnp.ones((2,))}
     cfg = OptimConfig(learning_rate=0.1, warmup_steps=0, decay_steps=10, weight_decay=0.5)

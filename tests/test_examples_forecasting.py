@@ -109,7 +109,7 @@ def _tiny_data(cfg, n_train=40, n_eval=24):
     )
 
 
-@pytest.mark.parametrize("backbone", ["aaren", "transformer"])
+@pytest.mark.parametrize("backbone", configs.MODELS)
 def test_one_training_step(backbone, tmp_path):
     cfg = configs.tiny_config(backbone=backbone)
     cfg.loop.max_steps = 1
@@ -117,6 +117,13 @@ def test_one_training_step(backbone, tmp_path):
     assert record["steps"] == 1 and record["model"] == backbone
     assert np.isfinite(record["mse"]) and np.isfinite(record["mae"])
     assert (tmp_path / "result.json").exists()
+    if backbone.startswith("rsa_"):
+        assert record["rsa_counts"] == list(cfg.model.rsa_counts)
+        assert len(record["gates"]) == cfg.model.num_layers
+        # one step of lr <= 1e-3 moves mu = 1 a little: the gate stays near sigmoid(1)
+        assert all(abs(g - 0.7311) < 0.01 for g in record["gates"]), record["gates"]
+    else:
+        assert "gates" not in record
 
 
 def test_resume_is_exact(tmp_path):

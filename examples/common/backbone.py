@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-BACKBONES = ("aaren", "transformer")
+BACKBONES = ("aaren", "transformer", "rsa_aaren", "rsa_transformer")
 
 
 def sinusoidal_positions(length: int, dim: int) -> np.ndarray:
@@ -31,12 +31,14 @@ def make_backbone(
     dropout: float = 0.0,
     norm: str = "pre",
     causal: bool = True,
+    rsa=None,
     rngs: nnx.Rngs,
 ) -> nnx.Module:
     """Builds a stack, ``y = model(x, mask=None)`` with x, y [B, T, d] and mask [B, T].
 
     Args:
-      kind: "aaren" or "transformer"; both get exactly the same hyperparameters.
+      kind: "aaren" or "transformer" (both get exactly the same hyperparameters), or
+        "rsa_aaren" / "rsa_transformer": the same with REM heads gated in.
       num_layers: number of blocks.
       d_model: model width d.
       num_heads: attention heads H (d divisible by H).
@@ -44,13 +46,16 @@ def make_backbone(
       dropout: dropout rate inside the blocks.
       norm: "pre" or "post" LayerNorm.
       causal: False for a bidirectional stack (every position sees the whole sequence).
+      rsa: the ``aaren_jax.REMConfig`` of the ``rsa_`` kinds (required there, refused
+        elsewhere).
       rngs: parameter and dropout randomness.
 
     Returns:
       The ``aaren_jax.Aaren`` or ``aaren_jax.Transformer`` module.
 
     Raises:
-      ValueError: for an unknown kind.
+      ValueError: for an unknown kind, or ``rsa`` given to a plain kind or missing from an
+        ``rsa_`` one.
     """
     try:
         import aaren_jax as aj
@@ -60,9 +65,22 @@ def make_backbone(
         ensure_importable()
         import aaren_jax as aj
 
-    classes = {"aaren": aj.Aaren, "transformer": aj.Transformer}
-    if kind not in classes:
+    if kind not in BACKBONES:
         raise ValueError(f"unknown backbone {kind!r}; expected one of {BACKBONES}")
-    return classes[kind](
-        num_layers, d_model, num_heads, d_ff, dropout=dropout, norm=norm, causal=causal, rngs=rngs
+    if kind.startswith("rsa_") != (rsa is not None):
+        raise ValueError(
+            f"backbone {kind!r}: rsa must be {'a REMConfig' if rsa is None else 'None'}, "
+            f"got {rsa!r}"
+        )
+    cls = aj.Aaren if kind.endswith("aaren") else aj.Transformer
+    return cls(
+        num_layers,
+        d_model,
+        num_heads,
+        d_ff,
+        dropout=dropout,
+        norm=norm,
+        causal=causal,
+        rsa=rsa,
+        rngs=rngs,
     )

@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--seq-len", type=int, default=None, help="input length L (default 96)")
     src.add_argument("--horizon", type=int, default=96, help="forecast length P")
     m = p.add_argument_group("model and training")
-    m.add_argument("--model", default="aaren", choices=["aaren", "transformer"])
+    m.add_argument("--model", default="aaren", choices=configs.MODELS)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--epochs", type=int, default=None, help="override max epochs")
     m.add_argument("--steps-per-epoch", type=int, default=None, help="override the 250-step cap")

@@ -35,7 +35,8 @@ class Forecaster(nnx.Module):
     horizon, which is then de-normalised.
 
     Attributes:
-      backbone: the ``aaren_jax.Aaren`` or ``aaren_jax.Transformer`` stack.
+      backbone: the ``aaren_jax.Aaren`` or ``aaren_jax.Transformer`` stack (with REM heads
+        for the rsa_ backbones).
       head: the projection of the last token to ``P x C`` values.
     """
 
@@ -72,6 +73,7 @@ class Forecaster(nnx.Module):
             cfg.d_ff,
             dropout=cfg.dropout,
             norm=cfg.norm,
+            rsa=cfg.rem_config(),
             rngs=rngs,
         )
         self.head = nnx.Linear(cfg.d_model, pred_len * num_channels, rngs=rngs)

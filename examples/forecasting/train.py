@@ -137,6 +137,14 @@ def train_and_evaluate(
     }
     if dc.csv:
         record["csv"] = dc.csv
+    if config.model.rem_config() is not None:
+        record["rsa_counts"] = list(config.model.rsa_counts)
+        record["rsa_dilations"] = list(config.model.rsa_dilations)
+        record["mu_init"] = config.model.mu_init
+        # the learned gate sigmoid(mu) of each layer: the share of the REMs (RSA's Figure 10)
+        record["gates"] = [
+            float(jax.nn.sigmoid(b.attention.rsa.mu[...])) for b in result.model.backbone.blocks
+        ]
     logging.info("result %s", record)
     if run is not None:
         run.write_result(
