@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import machine_info  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import aaren_jax as aj  # noqa: E402
@@ -95,11 +94,8 @@ def main(argv=None) -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS))
     args = p.parse_args(argv)
     out = {
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0],
+        "machine": machine_info(),
+        "command": "python benchmarks/rsa_streaming.py " + " ".join(sys.argv[1:]),
         "batch": args.batch,
         "tokens_per_repeat": args.tokens,
         "repeats": args.repeats,
