@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.regular_languages import data, sweep, train
+from examples.regular_languages import data, select_rsa, sweep, train
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +52,60 @@ def test_sweep_skips_done_runs():
     args = argparse.Namespace(
         languages=["parity", "d2"], models=["aaren", "rsa_aaren"], seeds=[0, 1], positional=None
     )
-    done = {("parity", "aaren", 0, "sinusoidal"), ("parity", "rsa_aaren", 0, "sinusoidal")}
+    done = {
+        ("parity", "aaren", 0, "sinusoidal", None),
+        ("parity", "rsa_aaren", 0, "sinusoidal", None),
+    }
     runs = sweep.pending_runs(args, done)
     # rsa_aaren's default is no absolute positions: its sinusoidal record does not count.
-    assert len(runs) == 7 and ("parity", "aaren", 0, "sinusoidal") not in runs
-    assert ("parity", "rsa_aaren", 0, "none") in runs
+    assert len(runs) == 7 and ("parity", "aaren", 0, "sinusoidal", None) not in runs
+    assert ("parity", "rsa_aaren", 0, "none", None) in runs
     assert [r[2] for r in runs[:3]] == [0, 0, 0]  # seed-major: one seed of everything first
     ablation = sweep.pending_runs(argparse.Namespace(**{**vars(args), "positional": "none"}), done)
-    assert ("parity", "aaren", 0, "none") in ablation and len(ablation) == 8
+    assert ("parity", "aaren", 0, "none", None) in ablation and len(ablation) == 8
+
+
+def _selection_record(language, model, name, val):
+    fields = select_rsa.CASES[name]
+    return dict(
+        language=language, model=model, name=name, val=val, mu_init=1.0, learning_rate=0.005,
+        rsa_counts=list(fields["rsa_counts"]), rsa_dilations=list(fields["rsa_dilations"]),
+    )  # fmt: skip
+
+
+def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
+    records = [
+        _selection_record("d4", "rsa_aaren", "III", 0.90),
+        _selection_record("d4", "rsa_aaren", "II", 0.95),
+        _selection_record("d4", "rsa_aaren", "IV", 0.95),  # a tie: the earlier case wins
+        _selection_record("d4", "rsa_transformer", "I", 0.80),
+        _selection_record("d4", "rsa_transformer", "III", 0.80),  # a tie: III comes first
+    ]
+    assert select_rsa.chosen(records, "d4", "rsa_aaren")["name"] == "II"
+    assert select_rsa.chosen(records, "d4", "rsa_transformer")["name"] == "III"
+    assert select_rsa.chosen(records, "parity", "rsa_aaren") is None
+    stage2 = select_rsa.candidates(records, "d4", "rsa_aaren", stage=2)
+    assert stage2["II+mu0"] == {
+        "rsa_counts": (3, 0, 0, 2, 0, 0), "rsa_dilations": (2, 2), "mu_init": 0.0,
+        "learning_rate": 0.005,
+    }  # fmt: skip
+    assert len(stage2) == len(select_rsa.VARIATIONS)
+    # a stage-2 variation that beats its case becomes the choice
+    records.append({**_selection_record("d4", "rsa_aaren", "II", 0.99), "name": "II+lr0.01"})
+    assert select_rsa.chosen(records, "d4", "rsa_aaren")["name"] == "II+lr0.01"
+
+    args = argparse.Namespace(
+        languages=["d4"], models=["aaren", "rsa_aaren"], seeds=[0], positional=None
+    )
+    done = {("d4", "rsa_aaren", 0, "none", None)}  # a Case III run: not the chosen one
+    runs = sweep.pending_runs(args, done, records)
+    assert runs == [
+        ("d4", "aaren", 0, "sinusoidal", None),
+        ("d4", "rsa_aaren", 0, "none", "II+lr0.01"),
+    ]
+    parity = argparse.Namespace(**{**vars(args), "languages": ["parity"]})
+    with pytest.raises(SystemExit, match="parity/rsa_aaren"):
+        sweep.pending_runs(parity, set(), records)
 
 
 def test_tables_separate_default_runs_from_ablations():
@@ -81,6 +127,11 @@ def test_tables_separate_default_runs_from_ablations():
     assert main_row.split("|")[2].strip() == "pending"  # the 3-epoch transformer run
     ablation = sweep.ablation_table(records)
     assert "rsa_transformer, sinusoidal positions" in ablation and "1.00 / 0.10 (n=1)" in ablation
+    assert sweep.chosen_table(records) == ""
+    chosen = {**rec("rsa_transformer", "none", 0.7), "rsa_case": "IV"}
+    assert "IV: 1.00 / 0.70 (n=1)" in sweep.chosen_table([*records, chosen])
+    d2_row = next(line for line in sweep.table([chosen]).splitlines() if line.startswith("| d2"))
+    assert d2_row.count("pending") == len(train.MODELS)  # not a Case III run
 
 
 @pytest.mark.parametrize("model", train.MODELS)

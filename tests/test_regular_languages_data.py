@@ -152,3 +152,22 @@ def test_bad_inputs():
         rl.encode("d2", ["abc"])
     with pytest.raises(ValueError, match="target_mode"):
         rl.encode("d2", ["ab"], target_mode="bits")
+
+
+@pytest.mark.parametrize("name", ["parity", "d4"])
+def test_validation_split_holds_the_longest_training_lengths_and_leaves_the_bins(name):
+    plain = rl.make_datasets(name, 3, train_size=400, test_size=50)
+    held = rl.make_datasets(name, 3, train_size=400, test_size=50, validation=True)
+    lo, hi = rl.validation_lengths(name)
+    t_lo, t_hi = rl.language_spec(name).train_lengths
+    assert t_lo < lo <= hi == t_hi and hi - lo + 1 == (t_hi - t_lo + 1) // 5
+
+    def strings(split):
+        return rl.decode(name, split.tokens, split.lengths)
+
+    train, val = strings(held["train"]), strings(held["val"])
+    assert val and all(lo <= len(s) <= hi for s in val) and all(len(s) < lo for s in train)
+    assert sorted(train + val) == sorted(strings(plain["train"]))  # the same draw, split
+    for split in ("bin0", "bin1"):
+        np.testing.assert_array_equal(held[split].tokens, plain[split].tokens)
+    assert held["val"].tokens.shape[1] == plain["train"].tokens.shape[1]  # padded to hi

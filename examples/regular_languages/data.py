@@ -352,8 +352,9 @@ def make_datasets(
     train_size: int | None = None,
     test_size: int | None = None,
     target_mode: str = "legal",
+    validation: bool = False,
 ) -> dict[str, Split]:
-    """Train, bin 0 and bin 1 of one language (RSA App. E.2).
+    """Train, bin 0 and bin 1 of one language (RSA App. E.2), and a validation split.
 
     Args:
       name: one of ``LANGUAGES``.
@@ -362,10 +363,14 @@ def make_datasets(
       train_size: default the paper's (10K, or 5K for D_n).
       test_size: per bin; default the paper's (2K, or 1K for D_n).
       target_mode: ``"legal"`` or ``"repo"`` (see ``encode``).
+      validation: move the training strings of ``validation_lengths(name)`` (the longest
+        fifth of the training range) into a ``"val"`` split: model selection then measures
+        generalisation to longer strings without ever seeing bin 1. Bins 0 and 1 are the
+        same draw either way.
 
     Returns:
-      ``{"train", "bin0", "bin1"}``; train and bin 0 padded to the train maximum length,
-      bin 1 to its own maximum.
+      ``{"train", "bin0", "bin1"}`` (and ``"val"``); train, validation and bin 0 padded to
+      the train maximum length, bin 1 to its own maximum.
     """
     spec = language_spec(name)
     train_size = spec.train_size if train_size is None else int(train_size)
@@ -376,11 +381,25 @@ def make_datasets(
     # De-duplication favours early draws; shuffle so train and bin 0 share one law.
     pool = [pool[i] for i in rng.permutation(len(pool))]
     bin1 = sample_strings(name, test_size, *spec.bin1_lengths, rng)
+    train = pool[:train_size]
+    splits = {}
+    if validation:
+        v_lo, v_hi = validation_lengths(name)
+        held_out = [s for s in train if v_lo <= len(s) <= v_hi]
+        train = [s for s in train if not v_lo <= len(s) <= v_hi]
+        splits["val"] = encode(name, held_out, hi, target_mode=target_mode)
     return {
-        "train": encode(name, pool[:train_size], hi, target_mode=target_mode),
+        "train": encode(name, train, hi, target_mode=target_mode),
+        **splits,
         "bin0": encode(name, pool[train_size:], hi, target_mode=target_mode),
         "bin1": encode(name, bin1, spec.bin1_lengths[1], target_mode=target_mode),
     }
+
+
+def validation_lengths(name: str) -> tuple[int, int]:
+    """The lengths of the validation split: the longest fifth of the training range."""
+    lo, hi = language_spec(name).train_lengths
+    return hi - (hi - lo + 1) // 5 + 1, hi
 
 
 def exact_match(predictions: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -4,6 +4,8 @@
     python examples/regular_languages/sweep.py --seeds 0 1 2 --languages parity tomita5
     python examples/regular_languages/sweep.py --positional none --models transformer aaren
     python examples/regular_languages/sweep.py --dry-run
+    python examples/regular_languages/sweep.py --languages d4 parity --seeds 0 1 2 \
+        --models rsa_transformer rsa_aaren --selection results/regular_languages_selection.json
 
 Records ``{"language", "model", "seed", "bin0", "bin1", "epochs", "wall_s", ...}`` are
 appended to ``--results`` (default ``workdirs/regular_languages/results.json``, outside git;
@@ -15,7 +17,10 @@ same configuration (``train.Config``; the paper's protocol) unless overridden he
 override is recorded in each record (e.g. ``"epochs"``). A run is identified by its
 language, model, seed and positional encoding (``train.DEFAULT_POSITIONAL`` unless
 ``--positional`` says otherwise); the main table shows the default encodings, an ablation
-table the others. Several sweeps may share one results file (appends are locked).
+table the others. With ``--selection``, the RSA models run at the configuration that
+``select_rsa.py`` chose on validation for their language (recorded as ``"rsa_case"``, part of
+a run's identity, and tabulated apart). Several sweeps may share one results file (appends
+are locked).
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
 from examples.common.paths import REPO_ROOT  # noqa: E402
 from examples.common.results import results_path  # noqa: E402
-from examples.regular_languages import data, train  # noqa: E402
+from examples.regular_languages import data, select_rsa, train  # noqa: E402
 
-KEY = ("language", "model", "seed", "positional")
+KEY = ("language", "model", "seed", "positional", "rsa_case")
 COMMITTED = REPO_ROOT / "results" / "regular_languages.json"
 
 
@@ -56,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         choices=train.POSITIONAL,
         help="ablation: this encoding for every model (default: train.DEFAULT_POSITIONAL)",
+    )
+    p.add_argument(
+        "--selection",
+        default=None,
+        help="select_rsa.py's records: the RSA models run at their language's chosen config",
     )
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
@@ -125,7 +135,26 @@ def _is_default(record: dict) -> bool:
         record.get("positional") == train.DEFAULT_POSITIONAL[record["model"]]
         and record.get("epochs") == train.Config.epochs
         and record.get("train_size") == data.language_spec(record["language"]).train_size
+        and record.get("rsa_case") is None
     )
+
+
+def chosen_table(records: list[dict]) -> str:
+    """Markdown: the RSA models at the configuration chosen on validation (``rsa_case``)."""
+    records = [r for r in _unique(records) if r.get("rsa_case") is not None]
+    if not records:
+        return ""
+    models = [m for m in train.MODELS if m.startswith("rsa_")]
+    lines = ["| language | " + " | ".join(f"{m}: case, bin0 / bin1" for m in models) + " |"]
+    lines.append("|" + "---|" * (len(models) + 1))
+    for lang in data.LANGUAGES:
+        cells = []
+        for m in models:
+            mine = [r for r in records if r["language"] == lang and r["model"] == m]
+            case = mine[0]["rsa_case"] if mine else "-"
+            cells.append(f"{case}: {_cell(mine)}")
+        lines.append(f"| {lang} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def ablation_table(records: list[dict]) -> str:
@@ -156,15 +185,27 @@ def ablation_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
-    """The (language, model, seed, positional) runs not yet recorded, seed-major."""
+def pending_runs(
+    args: argparse.Namespace, done: set[tuple], selection: list[dict] | None = None
+) -> list[tuple]:
+    """The (language, model, seed, positional, rsa_case) runs not yet recorded, seed-major.
+
+    ``selection``: ``select_rsa.py``'s records; the RSA models then take their language's
+    chosen configuration, named by ``rsa_case`` (None: ``train.Config``'s).
+    """
     runs = []
     for seed in args.seeds:
         for lang in args.languages:
             for model in args.models:
                 positional = args.positional or train.DEFAULT_POSITIONAL[model]
-                if (lang, model, seed, positional) not in done:
-                    runs.append((lang, model, seed, positional))
+                case = None
+                if selection is not None and model.startswith("rsa_"):
+                    best = select_rsa.chosen(selection, lang, model)
+                    if best is None:
+                        raise SystemExit(f"error: --selection holds no {lang}/{model} runs")
+                    case = best["name"]
+                if (lang, model, seed, positional, case) not in done:
+                    runs.append((lang, model, seed, positional, case))
     return runs
 
 
@@ -174,6 +215,10 @@ def main(argv=None) -> None:
     if args.table:  # read-only: the committed table unless another file is named
         records = load_records(args.results or COMMITTED)
         print(table(records))
+        chosen = chosen_table(records)
+        if chosen:
+            print("\nRSA at the configuration chosen on validation (select_rsa.py):\n")
+            print(chosen)
         ablation = ablation_table(records)
         if ablation:
             print("\nAblations (not the default positional encoding, or not the paper's size):\n")
@@ -182,21 +227,24 @@ def main(argv=None) -> None:
     args.results = str(results_path(args.results, "regular_languages"))
     logging.info("records go to %s", args.results)
     done = {record_key(r, KEY) for r in load_records(args.results)}
-    runs = pending_runs(args, done)
+    selection = None if args.selection is None else load_records(args.selection)
+    runs = pending_runs(args, done, selection)
     logging.info("%d runs done, %d pending", len(done), len(runs))
     if args.dry_run:
         for run in runs:
             print(*run)
         return
     cache: dict[tuple, dict] = {}
-    for n, (lang, model, seed, positional) in enumerate(runs):
+    for n, (lang, model, seed, positional, case) in enumerate(runs):
         if args.max_runs is not None and n >= args.max_runs:
             break
-        if (lang, model, seed, positional) in {
+        if (lang, model, seed, positional, case) in {
             record_key(r, KEY) for r in load_records(args.results)
         }:
             continue  # recorded meanwhile by another sweep sharing the file
         overrides = {"epochs": args.epochs, "train_size": args.train_size}
+        if case is not None:
+            overrides.update(select_rsa.overrides(select_rsa.chosen(selection, lang, model)))
         cfg = train.Config(
             language=lang,
             model=model,
@@ -208,6 +256,8 @@ def main(argv=None) -> None:
             cache.clear()  # one language's data at a time
             cache[(lang, seed)] = data.make_datasets(lang, seed, train_size=cfg.train_size)
         record = train.train_and_evaluate(cfg, datasets=cache[(lang, seed)])
+        if case is not None:
+            record.update(rsa_case=case, learning_rate=cfg.learning_rate)
         append_record(args.results, record)
         logging.info(
             "recorded %s/%s/seed%d (%s positions) in %s",

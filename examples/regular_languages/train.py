@@ -298,6 +298,10 @@ def train_and_evaluate(
         "step_ms": 1e3 * train_s / max(cfg.epochs * steps_per_epoch, 1),
         "wall_s": time.perf_counter() - t0,
     }
+    if "val" in datasets:  # model selection (select_rsa.py): strings of the training range
+        result["val"] = evaluate(
+            graphdef_eval, params, rest_eval, datasets["val"], cfg.eval_batch_size, eval_mesh
+        )
     if cfg.model.startswith("rsa_"):
         nnx.update(model, params)
         result["gates"] = [

@@ -1,0 +1,134 @@
+"""Chooses each language's RSA configuration on a validation split; resumable.
+
+    python examples/regular_languages/select_rsa.py --languages d4 parity      # the paper's cases
+    python examples/regular_languages/select_rsa.py --stage 2 --languages d4   # mu_init and lr
+    python examples/regular_languages/select_rsa.py --show                     # the choices
+
+The validation split is the training strings of the longest fifth of the training lengths
+(``data.validation_lengths``: 42-50 for Parity and Tomita, 82-100 for D_n), held out of
+training; bin 1 is never used. Stage 1 tries the RSA paper's Table 2 cases I-IV (the
+dilated heads of II and IV dilated by 2); stage 2 varies ``mu_init`` and the learning rate
+around each (language, model)'s stage-1 choice. Every run is seed 0 at the paper's
+protocol otherwise. One record per run (``{"language", "model", "name", "val", "bin0",
+"bin1", "rsa_counts", "rsa_dilations", "mu_init", "learning_rate", ...}``) goes to
+``--results`` (default ``results/regular_languages_selection.json``); runs already there are
+skipped. The choice per (language, model) is the highest validation exact match; ties go
+to the earlier entry (Case III, the a-priori default, first). bin0 and bin1 are recorded
+but never used to choose. ``sweep.py --selection`` then runs the chosen configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from examples.common import append_record, load_records, setup_logging  # noqa: E402
+from examples.common.paths import REPO_ROOT  # noqa: E402
+from examples.regular_languages import data, train  # noqa: E402
+
+RSA_MODELS = ("rsa_transformer", "rsa_aaren")
+DEFAULT_RESULTS = REPO_ROOT / "results" / "regular_languages_selection.json"
+# Stage 1: the RSA paper's Table 2 cases; Case III (our a-priori default) first, so it wins ties.
+CASES = {
+    "III": {"rsa_counts": (3, 1, 1, 0, 0, 0), "rsa_dilations": ()},
+    "I": {"rsa_counts": (5, 0, 0, 0, 0, 0), "rsa_dilations": ()},
+    "II": {"rsa_counts": (3, 0, 0, 2, 0, 0), "rsa_dilations": (2, 2)},
+    "IV": {"rsa_counts": (3, 0, 0, 0, 1, 1), "rsa_dilations": (2, 2)},
+}
+# Stage 2: one change at a time around the stage-1 choice.
+VARIATIONS = {
+    "mu0": {"mu_init": 0.0},
+    "mu2": {"mu_init": 2.0},
+    "lr0.0025": {"learning_rate": 0.0025},
+    "lr0.01": {"learning_rate": 0.01},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--languages", nargs="+", default=list(data.LANGUAGES))
+    p.add_argument("--models", nargs="+", default=list(RSA_MODELS), choices=RSA_MODELS)
+    p.add_argument("--stage", type=int, default=1, choices=(1, 2))
+    p.add_argument("--results", default=str(DEFAULT_RESULTS))
+    p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
+    p.add_argument("--show", action="store_true", help="print the choices and exit")
+    return p.parse_args(argv)
+
+
+def chosen(records: list[dict], language: str, model: str) -> dict | None:
+    """The best (highest ``val``, earliest on ties) record of (language, model), if any."""
+    mine = [r for r in records if r["language"] == language and r["model"] == model]
+    ranked = sorted(mine, key=lambda r: _grid_position(r["name"]))
+    return max(ranked, key=lambda r: r["val"]) if ranked else None  # max keeps the first
+
+
+def _grid_position(name: str) -> tuple:
+    """Stage-1 cases in their order, then their stage-2 variations."""
+    case, _, variation = name.partition("+")
+    return bool(variation), list(CASES).index(case), variation and list(VARIATIONS).index(variation)
+
+
+def overrides(record: dict) -> dict:
+    """The ``train.Config`` fields that a selection record fixes."""
+    return {
+        "rsa_counts": tuple(record["rsa_counts"]),
+        "rsa_dilations": tuple(record["rsa_dilations"]),
+        "mu_init": record["mu_init"],
+        "learning_rate": record["learning_rate"],
+    }
+
+
+def candidates(records: list[dict], language: str, model: str, stage: int) -> dict[str, dict]:
+    """The named configurations of a stage (stage 2 needs the stage-1 choice)."""
+    if stage == 1:
+        return CASES
+    best = chosen([r for r in records if r["name"] in CASES], language, model)
+    if best is None:
+        return {}
+    return {f"{best['name']}+{k}": {**overrides(best), **v} for k, v in VARIATIONS.items()}
+
+
+def main(argv=None) -> None:
+    setup_logging()
+    args = parse_args(argv)
+    records = load_records(args.results)
+    if args.show:
+        for lang in args.languages:
+            for model in args.models:
+                best = chosen(records, lang, model)
+                if best is not None:
+                    print(lang, model, best["name"], f"val {best['val']:.4f}", overrides(best))
+        return
+    done = {(r["language"], r["model"], r["name"]) for r in records}
+    runs = [
+        (lang, model, name, fields)
+        for lang in args.languages
+        for model in args.models
+        for name, fields in candidates(records, lang, model, args.stage).items()
+        if (lang, model, name) not in done
+    ]
+    logging.info("%d runs pending", len(runs))
+    if args.dry_run:
+        for lang, model, name, _ in runs:
+            print(lang, model, name)
+        return
+    cache: dict[str, dict] = {}
+    for lang, model, name, fields in runs:
+        if lang not in cache:
+            cache.clear()
+            cache[lang] = data.make_datasets(lang, 0, validation=True)
+        cfg = train.Config(language=lang, model=model, seed=0, **fields)
+        record = train.train_and_evaluate(cfg, datasets=cache[lang])
+        record.update(name=name, learning_rate=cfg.learning_rate)
+        append_record(args.results, record)
+        logging.info("%s/%s/%s val %.4f", lang, model, name, record["val"])
+
+
+if __name__ == "__main__":
+    main()
