@@ -186,6 +186,61 @@ def forecasting_summary(by_key) -> str:
     )
 
 
+def rsa_forecasting_table():
+    """RSA against its plain backbone per (dataset, horizon), on the seeds both have run.
+
+    Counts the comparisons where RSA lowers the error, MSE and MAE apart, as the RSA paper's
+    Table 1 counts them, and lists the learned gates ``sigmoid(mu)`` per layer.
+    """
+    records = _load("forecasting.json") or []
+    by_key = defaultdict(dict)
+    for r in records:
+        by_key[(r["dataset"], int(r["horizon"]), r["model"])][r["seed"]] = r
+    pairs = (("rsa_aaren", "aaren"), ("rsa_transformer", "transformer"))
+    lines = [
+        "| dataset | horizon | seeds | RSA-Aaren MSE | Aaren MSE | RSA-Transformer MSE "
+        "| Transformer MSE | RSA-Aaren MAE | Aaren MAE | RSA-Transformer MAE | Transformer MAE "
+        "| gates RSA-Aaren | gates RSA-Transformer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    wins, total = defaultdict(int), defaultdict(int)
+    for dataset, horizon in sorted({(d, h) for d, h, m in by_key if m.startswith("rsa_")}):
+        cells, gates, seed_counts = {}, {}, []
+        for rsa, plain in pairs:
+            a = by_key.get((dataset, horizon, rsa), {})
+            b = by_key.get((dataset, horizon, plain), {})
+            seeds = sorted(set(a) & set(b))
+            seed_counts.append(len(seeds))
+            for metric in ("mse", "mae"):
+                if not seeds:
+                    cells[(rsa, metric)] = cells[(plain, metric)] = "-"
+                    continue
+                x = [a[s][metric] for s in seeds]
+                y = [b[s][metric] for s in seeds]
+                cells[(rsa, metric)], cells[(plain, metric)] = _mean_std(x), _mean_std(y)
+                wins[(rsa, metric)] += float(np.mean(x)) < float(np.mean(y))
+                total[(rsa, metric)] += 1
+            layer_gates = np.mean([a[s]["gates"] for s in seeds], axis=0) if seeds else []
+            gates[rsa] = " / ".join(f"{g:.2f}" for g in layer_gates) or "-"
+        # RSA then its plain backbone, for each backbone, MSE then MAE
+        order = [(m, k) for k in ("mse", "mae") for pair in pairs for m in pair]
+        lines.append(
+            f"| {dataset} | {horizon} | {'/'.join(map(str, seed_counts))} | "
+            + " | ".join(cells[c] for c in order)
+            + f" | {gates['rsa_aaren']} | {gates['rsa_transformer']} |"
+        )
+    if len(lines) == 2:
+        return None
+    counts = "; ".join(
+        f"{rsa} lowers the {metric.upper()} of {plain} in {wins[(rsa, metric)]} of "
+        f"{total[(rsa, metric)]}"
+        for rsa, plain in pairs
+        for metric in ("mse", "mae")
+        if total[(rsa, metric)]
+    )
+    return "\n".join(lines + ["", f"Comparisons (mean over the shared seeds): {counts}."])
+
+
 def cost_table():
     """Steady-state training throughput (benchmark) beside the sweeps' wall time per run."""
     report = _load("examples_cost_cpu.json")
@@ -234,6 +289,7 @@ TABLES = {
     "scan": scan_table,
     "classification": classification_table,
     "forecasting": forecasting_table,
+    "rsa_forecasting": rsa_forecasting_table,
 }
 
 

@@ -46,3 +46,28 @@ def test_floor_block_reuses_the_aaren_blocks_parts(key):
     assert np.isfinite(float(loss)) and grad_x.shape == x.shape
     names = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(grads)}
     assert any(name.startswith("k_proj") for name in names)  # k is not dead code
+
+
+def test_rsa_forecasting_table_pairs_seeds_and_counts_wins(monkeypatch):
+    import report
+
+    def rec(model, seed, mse, mae, **extra):
+        return dict(dataset="ETTh1", horizon=96, model=model, seed=seed, mse=mse, mae=mae, **extra)
+
+    records = [
+        rec("aaren", 0, 0.50, 0.40),
+        rec("aaren", 1, 0.60, 0.40),  # no RSA run at seed 1: left out of the comparison
+        rec("rsa_aaren", 0, 0.45, 0.41, gates=[0.7, 0.5]),
+        rec("transformer", 0, 0.40, 0.30),
+        rec("rsa_transformer", 0, 0.42, 0.29, gates=[0.6, 0.6]),
+    ]
+    monkeypatch.setattr(report, "_load", lambda name: records)
+    table = report.rsa_forecasting_table()
+    row = next(line for line in table.splitlines() if line.startswith("| ETTh1"))
+    assert "| 1/1 |" in row and "0.500 +- 0.000 (n=1)" in row and "0.70 / 0.50" in row
+    assert "rsa_aaren lowers the MSE of aaren in 1 of 1" in table
+    assert "rsa_aaren lowers the MAE of aaren in 0 of 1" in table
+    assert "rsa_transformer lowers the MSE of transformer in 0 of 1" in table
+    assert "rsa_transformer lowers the MAE of transformer in 1 of 1" in table
+    monkeypatch.setattr(report, "_load", lambda name: records[:2])
+    assert report.rsa_forecasting_table() is None
