@@ -158,3 +158,35 @@ def test_unknown_positional_is_rejected():
         train.LanguageModel(
             train.Config(positional="learned"), vocab_in=3, vocab_out=3, rngs=nnx.Rngs(0)
         )
+
+
+def test_analysis_profiles_errors_and_reads_the_rems(tiny_data):
+    from examples.regular_languages import analyze
+
+    right = np.ones((4, 12), bool)
+    right[1, 5] = False  # a length-12 string wrong first at position 6
+    right[3, 2] = right[3, 9] = False  # a length-11 string wrong first at position 3
+    lengths = np.array([12, 12, 3, 11])
+    profile = analyze.error_profile(right, lengths, train_max=5)
+    assert profile["exact"] == 0.5
+    assert profile["by_length"] == {
+        "0-9": {"n": 1, "exact": 1.0},
+        "10-19": {"n": 3, "exact": pytest.approx(1 / 3)},
+    }
+    first = profile["first_error"]
+    assert first["failures"] == 2 and first["quantiles_10_50_90"][1] == 4.5
+    assert first["share_within_10_of_the_end"] == 1.0  # 12 - 6 and 11 - 3 positions left
+    assert first["share_beyond_training_lengths"] == 0.5  # position 6 > 5
+
+    cfg = train.Config(
+        language="tomita3", model="rsa_aaren", num_layers=2, d_model=10, num_heads=5, d_ff=10,
+        epochs=1, batch_size=8, eval_batch_size=4, train_size=8, test_size=4,
+    )  # fmt: skip
+    trained = []
+    record = train.train_and_evaluate(cfg, datasets=tiny_data, model_out=trained)
+    rems = analyze.rem_parameters(trained[0])
+    assert [layer["gate"] for layer in rems] == pytest.approx(record["gates"])
+    assert len(rems[0]["lambda"]) == 3 and len(rems[0]["gamma"]) == len(rems[0]["theta"]) == 2
+    assert all(-1 < x < 1 for x in rems[0]["lambda"]) and all(0 < g < 1 for g in rems[0]["gamma"])
+    right = analyze.predictions(trained[0], tiny_data["bin1"])
+    assert right.all(axis=1).mean() == pytest.approx(record["bin1"])

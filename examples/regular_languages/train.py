@@ -198,6 +198,7 @@ def train_and_evaluate(
     workdir: str | None = None,
     datasets=None,
     history_out: list | None = None,
+    model_out: list | None = None,
 ) -> dict[str, Any]:
     """Trains one model on one language and returns its record.
 
@@ -207,6 +208,7 @@ def train_and_evaluate(
         keeps a run folder); accepted for the examples' common CLI shape.
       datasets: ``data.make_datasets`` output to reuse (else drawn from ``cfg``).
       history_out: if given, receives one ``{"epoch", "train_loss"}`` dict per epoch.
+      model_out: if given, receives the trained model (eval mode), for analysis.
 
     Returns:
       ``{"language", "model", "seed", "bin0", "bin1", "train_loss", "epochs", "train_size",
@@ -302,8 +304,10 @@ def train_and_evaluate(
         result["val"] = evaluate(
             graphdef_eval, params, rest_eval, datasets["val"], cfg.eval_batch_size, eval_mesh
         )
+    nnx.update(model, params)
+    if model_out is not None:
+        model_out.append(model)
     if cfg.model.startswith("rsa_"):
-        nnx.update(model, params)
         result["gates"] = [
             float(jax.nn.sigmoid(b.attention.rsa.mu[...])) for b in model.backbone.blocks
         ]
