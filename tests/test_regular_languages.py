@@ -76,6 +76,7 @@ def _selection_record(language, model, name, val):
 def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
     records = [
         _selection_record("d4", "rsa_aaren", "III", 0.90),
+        _selection_record("d4", "rsa_aaren", "I", 0.80),
         _selection_record("d4", "rsa_aaren", "II", 0.95),
         _selection_record("d4", "rsa_aaren", "IV", 0.95),  # a tie: the earlier case wins
         _selection_record("d4", "rsa_transformer", "I", 0.80),
@@ -106,6 +107,8 @@ def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
     parity = argparse.Namespace(**{**vars(args), "languages": ["parity"]})
     with pytest.raises(SystemExit, match="parity/rsa_aaren"):
         sweep.pending_runs(parity, set(), records)
+    with pytest.raises(SystemExit, match="not tried every case for d4/rsa_aaren"):
+        sweep.pending_runs(args, done, records[1:])  # Case III missing: no choice yet
 
 
 def test_tables_separate_default_runs_from_ablations():

@@ -200,10 +200,17 @@ def pending_runs(
                 positional = args.positional or train.DEFAULT_POSITIONAL[model]
                 case = None
                 if selection is not None and model.startswith("rsa_"):
-                    best = select_rsa.chosen(selection, lang, model)
-                    if best is None:
-                        raise SystemExit(f"error: --selection holds no {lang}/{model} runs")
-                    case = best["name"]
+                    tried = {
+                        r["name"]
+                        for r in selection
+                        if r["language"] == lang and r["model"] == model
+                    }
+                    if not set(select_rsa.CASES) <= tried:
+                        raise SystemExit(
+                            f"error: --selection has not tried every case for {lang}/{model} "
+                            f"yet (tried: {sorted(tried)})"
+                        )
+                    case = select_rsa.chosen(selection, lang, model)["name"]
                 if (lang, model, seed, positional, case) not in done:
                     runs.append((lang, model, seed, positional, case))
     return runs
