@@ -37,6 +37,15 @@ CONFIGS = {
     "regular_languages_dilated8": dict(
         layers=3, d=20, heads=5, d_ff=40, rsa=aj.REMConfig((3, 0, 0, 0, 1, 1), dilations=8)
     ),
+    # The forecasting example's stack with the REM heads chosen on ETTh1's validation split
+    # (examples/forecasting/configs.py): cyclical heads, two of them dilated by a day.
+    "forecasting": dict(
+        layers=2,
+        d=64,
+        heads=4,
+        d_ff=128,
+        rsa=aj.REMConfig((0, 1, 1, 0, 1, 1), dilations=(24, 24)),
+    ),
     # A mid-size stack with every REM type.
     "d256_h8": dict(
         layers=4,
