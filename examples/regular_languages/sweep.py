@@ -151,8 +151,7 @@ def chosen_table(records: list[dict]) -> str:
         cells = []
         for m in models:
             mine = [r for r in records if r["language"] == lang and r["model"] == m]
-            case = mine[0]["rsa_case"] if mine else "-"
-            cells.append(f"{case}: {_cell(mine)}")
+            cells.append(f"{mine[0]['rsa_case']}: {_cell(mine)}" if mine else "not run")
         lines.append(f"| {lang} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
