@@ -164,7 +164,9 @@ class RecurrenceEncoding(nnx.Module):
     ``mu`` is one scalar per layer; ``eta`` (regular heads) and ``nu``, ``theta`` (cyclical
     heads) one per head, laid out by ``REMConfig``. Initialisation as in the paper (Section
     3): ``mu = config.mu_init``, ``eta`` spread over [-2, -1] U [1, 2], ``nu`` over [1, 2],
-    ``theta = pi / 4``. Overhead per layer: ``1 + (k1 + k4) + 2 (k2 + k3 + k5 + k6)``.
+    ``theta = pi / 4``. Overhead per layer: ``1 + (k1 + k4) + 2 (k2 + k3 + k5 + k6)``. A
+    family with no heads has no parameter (the attribute is None), since Orbax cannot
+    checkpoint zero-size arrays.
 
     Attributes:
       config: the ``REMConfig`` (static).
@@ -172,8 +174,6 @@ class RecurrenceEncoding(nnx.Module):
       eta: regular heads' ``lambda = tanh(eta)``. [k1 + k4]
       nu: cyclical heads' ``gamma = sigmoid(nu)``. [k2 + k3 + k5 + k6]
       theta: cyclical heads' angles. [k2 + k3 + k5 + k6]
-      A family with no heads has no parameter (None): zero-size arrays cannot be
-      checkpointed by Orbax.
 
     Example:
       >>> rsa = RecurrenceEncoding(REMConfig((3, 1, 1, 0, 0, 0)), 5)
