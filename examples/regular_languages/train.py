@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from examples.common.backbone import sinusoidal_positions
+from examples.common.backbone import make_backbone, sinusoidal_positions
 from examples.common.loop import make_train_step
 from examples.common.parallel import data_mesh, replicate, shard_batch
 from examples.common.paths import ensure_importable
@@ -114,15 +114,14 @@ class LanguageModel(nnx.Module):
         self.d_model = cfg.d_model
         self.positional = cfg.positional_encoding
         self.embed = nnx.Embed(vocab_in, cfg.d_model, rngs=rngs)
-        rsa = cfg.rem_config() if cfg.model.startswith("rsa_") else None
-        cls = aj.Aaren if cfg.model.endswith("aaren") else aj.Transformer
-        self.backbone = cls(
+        self.backbone = make_backbone(
+            cfg.model,
             cfg.num_layers,
             cfg.d_model,
             cfg.num_heads,
             cfg.d_ff,
             dropout=cfg.dropout,
-            rsa=rsa,
+            rsa=cfg.rem_config() if cfg.model.startswith("rsa_") else None,
             rngs=rngs,
         )
         self.head = nnx.Linear(cfg.d_model, vocab_out, rngs=rngs)
