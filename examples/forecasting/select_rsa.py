@@ -77,7 +77,8 @@ def main(argv=None) -> None:
         cfg.model.rsa_counts, cfg.model.rsa_dilations = counts, dilations
         cfg.data.data_root = args.data_root
         cfg.loop.progress = not args.no_progress
-        data = data or train.load_data(cfg)
+        if data is None:  # the same ETTh1 windows for every run
+            data = train.load_data(cfg)
         workdir = Path(args.workdir_root) / f"{name}_{model}"
         record = {"name": name, **train.train_and_evaluate(cfg, str(workdir), data=data)}
         append_record(args.results, record)
