@@ -8,6 +8,7 @@ interleaved, so that every variant sees the same noise).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -90,3 +91,17 @@ def write_json(path: Path, data: dict) -> None:
     text = json.dumps(data, indent=2)
     path.write_text(text + "\n")
     print(text)
+
+
+def add_shape_args(parser: argparse.ArgumentParser, blocks: bool = True) -> None:
+    """The shape flags every scan and block benchmark shares, with the same defaults.
+
+    Scan: ``--batch`` B, ``--heads`` H, ``--dim`` D (the value width); block (``blocks``):
+    ``--d-model`` d and ``--d-ff``.
+    """
+    parser.add_argument("--batch", type=int, default=8, help="scan batch B")
+    parser.add_argument("--heads", type=int, default=4, help="heads H")
+    parser.add_argument("--dim", type=int, default=64, help="scan value width D")
+    if blocks:
+        parser.add_argument("--d-model", type=int, default=256, help="block width d")
+        parser.add_argument("--d-ff", type=int, default=1024, help="block MLP width")

@@ -43,7 +43,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from _common import REPO, machine_info, summary, timed, write_json
+from _common import REPO, add_shape_args, machine_info, summary, timed, write_json
 from flax import nnx
 
 import aaren_jax as aj
@@ -239,11 +239,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--block-lengths", type=int, nargs="+", default=None)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--d-ff", type=int, default=1024)
+    add_shape_args(parser)
     parser.add_argument("--tokens", type=int, default=8192, help="block tokens per batch")
     parser.add_argument("--quick", action="store_true", help="N = 1024, 2 rounds")
     parser.add_argument("--out", default=None)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from _common import REPO, machine_info, tree_bytes, write_json
+from _common import REPO, add_shape_args, machine_info, tree_bytes, write_json
 
 METHODS = ("blocked", "associative", "sequential", "chunked")
 BLOCKS = ("aaren_block", "transformer_block")
@@ -184,11 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--cases", nargs="+", default=[*METHODS, *BLOCKS])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--d-ff", type=int, default=1024)
+    add_shape_args(parser)
     parser.add_argument("--block-batch", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
     parser.add_argument("--child", nargs=2, metavar=("CASE", "N"), help=argparse.SUPPRESS)

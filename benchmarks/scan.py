@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import machine_info
+from _common import add_shape_args, machine_info
 
 import aaren_jax as aj
 
@@ -88,9 +88,7 @@ def machine():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=64)
+    add_shape_args(parser, blocks=False)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, help="default: results/scan_<backend>.json")
