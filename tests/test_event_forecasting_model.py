@@ -84,16 +84,19 @@ def test_mean_matches_monte_carlo(key):
 # --- streaming equals the parallel pass ------------------------------------------------------
 
 
-def _tiny_model(backbone, num_marks, seed=0, copy_marks=False):
+def _tiny_model(backbone, num_marks, seed=0, copy_marks=False, gap_ema=()):
     cfg = configs.tiny_config("hawkes", backbone).model
-    cfg = dataclasses.replace(cfg, num_layers=2, dropout=0.1, copy_marks=copy_marks)
+    cfg = dataclasses.replace(
+        cfg, num_layers=2, dropout=0.1, copy_marks=copy_marks, gap_ema=gap_ema
+    )
     return model.EventModel(cfg, num_marks, -0.5, 1.3, rngs=nnx.Rngs(params=seed, dropout=1))
 
 
 @pytest.mark.parametrize(
-    ("backbone", "copy_marks"), [("aaren", False), ("transformer", False), ("aaren", True)]
+    ("backbone", "copy_marks", "gap_ema"),
+    [("aaren", False, ()), ("transformer", False, ()), ("aaren", True, (0.0, 0.5, 0.9))],
 )
-def test_streaming_equals_parallel(backbone, copy_marks):
+def test_streaming_equals_parallel(backbone, copy_marks, gap_ema):
     seqs, m, _ = data.generate("hawkes", num_seqs=2, seed=5)
     n = 12
     # one window that starts before its first event (t_start = 0), one that starts at it
@@ -103,7 +106,7 @@ def test_streaming_equals_parallel(backbone, copy_marks):
     ]
     if copy_marks:  # repeated marks, so that the counts matter
         seqs[0] = dataclasses.replace(seqs[0], marks=np.array([0, 2, 2, 1, 2, 0, 0, 1, 2, 2, 1, 0]))
-    net = _tiny_model(backbone, m, copy_marks=copy_marks)
+    net = _tiny_model(backbone, m, copy_marks=copy_marks, gap_ema=gap_ema)
     net.eval()
     batch = data.make_batch(seqs, m, -0.5, 1.3)
     par = jax.jit(lambda b: net(b))({k: jnp.asarray(v) for k, v in batch.items()})
@@ -120,6 +123,12 @@ def test_streaming_equals_parallel(backbone, copy_marks):
     assert int(state.count[0]) == n
     if copy_marks:
         np.testing.assert_array_equal(state.mark_counts[0], np.bincount(seqs[0].marks, minlength=m))
+    if gap_ema:  # the carried averages against a float64 loop over the parallel pass's gaps
+        for i in range(len(seqs)):
+            ref = np.zeros(len(gap_ema))
+            for g in batch["gap"][i, : n + 1].astype(np.float64):
+                ref = np.asarray(gap_ema) * ref + (1 - np.asarray(gap_ema)) * g
+            np.testing.assert_allclose(state.gap_ema[i], ref, atol=1e-5)
     for j, out in enumerate(got):  # position j: after j events
         for name in ("logits", "loc", "log_scale"):
             np.testing.assert_allclose(

@@ -30,6 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tie-marks", action="store_true", help="mark logits from the embeddings")
     p.add_argument("--copy-marks", action="store_true", help="copy head on the mark logits")
     p.add_argument("--log-scale-max", type=float, default=None, help="upper log-scale clamp")
+    p.add_argument(
+        "--gap-ema", type=float, nargs="*", default=None, help="decay rates of the recency features"
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p.parse_args(argv)
 
@@ -56,6 +59,8 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
         cfg.model.copy_marks = True
     if args.log_scale_max is not None:
         cfg.model.log_scale_max = args.log_scale_max
+    if args.gap_ema is not None:
+        cfg.model.gap_ema = tuple(args.gap_ema)
     cfg.loop.progress = not args.no_progress
     return cfg
 

@@ -151,6 +151,8 @@ class EventModel(nnx.Module):
       time_head: to the 3K mixture parameters.
       mark_head: to the M mark logits (None when M = 1).
       copy_gate: to the two copy-head gates (None unless ``copy_marks`` and M > 1).
+      ema_embed: linear map of the R running averages of the log gaps (None unless
+        ``gap_ema``).
     """
 
     def __init__(
@@ -202,21 +204,51 @@ class EventModel(nnx.Module):
         # mark seen earlier in the sequence can be predicted even when training never saw it
         self.copy_marks = cfg.copy_marks and num_marks > 1
         self.copy_gate = nnx.Linear(d, 2, rngs=rngs) if self.copy_marks else None
+        # recency features (last, for the same reason): the running averages of the log gaps
+        # give every token the recent rhythm of the stream, which a softmax over the whole
+        # history (Aaren's query is one learned vector) otherwise has to dig out itself
+        self.gap_ema = tuple(float(a) for a in cfg.gap_ema)
+        if any(not 0.0 <= a < 1.0 for a in self.gap_ema):
+            raise ValueError(f"gap_ema: decay rates must lie in [0, 1), got {cfg.gap_ema}")
+        self.ema_embed = nnx.Linear(len(self.gap_ema), d, rngs=rngs) if self.gap_ema else None
 
-    def embed(self, time: Array, gap: Array, mark: Array) -> Array:
+    def embed(self, time: Array, gap: Array, mark: Array, ema: Array | None = None) -> Array:
         """Tokens from event time (since the window's start), standardised log gap, mark.
 
         Args:
           time: [...] event times (0 for the start token).
           gap: [...] standardised log inter-event times (0 where undefined).
           mark: [...] int marks (M for the start token).
+          ema: [..., R] running averages of ``gap`` up to this token (``gap_ema`` only).
 
         Returns:
           [..., d] tokens.
         """
         enc = temporal_encoding(time / self.time_stats[...][2], self.d_model)
         x = enc + self.mark_embed(mark) + self.gap_embed(gap[..., None])
+        if self.ema_embed is not None:
+            x = x + self.ema_embed(ema)
         return self.dropout(x)
+
+    def ema_update(self, ema: Array, gap: Array) -> Array:
+        """One step of the running averages: ``a ema + (1 - a) gap`` per rate. [..., R]"""
+        rate = jnp.asarray(self.gap_ema, jnp.float32).reshape((1,) * gap.ndim + (-1,))
+        return rate * ema + (1.0 - rate) * gap[..., None]
+
+    def gap_averages(self, gap: Array) -> Array:
+        """The running averages at every position, by a parallel scan. ``gap`` [B, L] -> [B, L, R]
+
+        Each position's average includes its own gap; the start token's gap is 0, so the
+        averages start from 0 as the streamed carry does.
+        """
+        rate = jnp.asarray(self.gap_ema, jnp.float32).reshape((1,) * gap.ndim + (-1,))
+        decay = jnp.broadcast_to(rate, gap.shape + rate.shape[-1:])
+        inject = (1.0 - rate) * gap[..., None]
+
+        def combine(left, right):  # two affine maps e -> a e + x, left applied first
+            return left[0] * right[0], right[0] * left[1] + right[1]
+
+        return jax.lax.associative_scan(combine, (decay, inject), axis=-2)[1]
 
     def decode(
         self, h: Array, last_mark: Array | None = None, counts: Array | None = None
@@ -260,7 +292,8 @@ class EventModel(nnx.Module):
         Returns:
           ``NextEvent`` with [B, L, K] mixture parameters and [B, L, M] mark logits.
         """
-        x = self.embed(batch["time"], batch["gap"], batch["mark_in"])
+        ema = self.gap_averages(batch["gap"]) if self.ema_embed is not None else None
+        x = self.embed(batch["time"], batch["gap"], batch["mark_in"], ema)
         h = self.backbone(x, mask=batch["token_mask"])
         if self.copy_gate is None:
             return self.decode(h)
@@ -347,6 +380,7 @@ class StreamState(NamedTuple):
       last_time: [B] the latest event's time (``t_start`` before any).
       count: [B] int32 events seen.
       mark_counts: [B, M] occurrences of each mark so far (the copy head's), or None.
+      gap_ema: [B, R] running averages of the log gaps (``gap_ema``), or None.
     """
 
     carry: Any
@@ -354,6 +388,7 @@ class StreamState(NamedTuple):
     last_time: Array
     count: Array
     mark_counts: Array | None = None
+    gap_ema: Array | None = None
 
 
 def stream_start(
@@ -362,15 +397,17 @@ def stream_start(
     """Feeds the start token: the distribution of the first event. ``t_start`` [B]."""
     b = t_start.shape[0]
     carry = model.backbone.init_carry(b, max_len)
+    ema = jnp.zeros((b, len(model.gap_ema)), jnp.float32) if model.gap_ema else None
     x = model.embed(
         jnp.zeros((b,), jnp.float32),
         jnp.zeros((b,), jnp.float32),
         jnp.full((b,), model.num_marks, jnp.int32),
+        ema,
     )
     carry, h = model.backbone.step(carry, x)
     t_start = t_start.astype(jnp.float32)
     counts = jnp.zeros((b, model.num_marks), jnp.float32) if model.copy_marks else None
-    state = StreamState(carry, t_start, t_start, jnp.zeros((b,), jnp.int32), counts)
+    state = StreamState(carry, t_start, t_start, jnp.zeros((b,), jnp.int32), counts, ema)
     return state, model.decode(h, jnp.full((b,), model.num_marks, jnp.int32), counts)
 
 
@@ -388,13 +425,14 @@ def stream_next(
     log_mean, log_std = model.time_stats[...][0], model.time_stats[...][1]
     feat = (jnp.log(gap) - log_mean) / log_std
     feat = jnp.where(state.count == 0, 0.0, feat)
-    x = model.embed(time - state.t_start, feat, event.mark.astype(jnp.int32))
+    ema = model.ema_update(state.gap_ema, feat) if model.gap_ema else None
+    x = model.embed(time - state.t_start, feat, event.mark.astype(jnp.int32), ema)
     carry, h = model.backbone.step(state.carry, x)
     mark = event.mark.astype(jnp.int32)
     counts = state.mark_counts
     if counts is not None:
         counts = counts + jax.nn.one_hot(mark, model.num_marks, dtype=jnp.float32)
-    new = StreamState(carry, state.t_start, time, state.count + 1, counts)
+    new = StreamState(carry, state.t_start, time, state.count + 1, counts, ema)
     return new, model.decode(h, mark, counts)
 
 
