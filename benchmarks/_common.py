@@ -105,3 +105,45 @@ def add_shape_args(parser: argparse.ArgumentParser, blocks: bool = True) -> None
     if blocks:
         parser.add_argument("--d-model", type=int, default=256, help="block width d")
         parser.add_argument("--d-ff", type=int, default=1024, help="block MLP width")
+
+
+def interleaved(variants: dict, rounds: int) -> dict:
+    """Compiles, warms up and times every variant's forward and forward+backward.
+
+    ``variants`` maps a name to ``(forward_fn, forward_backward_fn, inputs, extra)``: the
+    forward runs on ``inputs``, the forward+backward on ``(*inputs, extra)`` (a cotangent or
+    a target). Each is compiled (time recorded) and warmed up once, then all are timed once
+    per round, interleaved round by round so that every variant sees the same noise. Returns
+    ``{name: {kind: {"compile_s", "warmup_ms", "ms", "ms_per_round", "ratio_to_<first>"}}}``
+    with ``kind`` in ``forward``, ``forward_backward``; ratios are to the first variant.
+    """
+    compiled, out = {}, {}
+    for name, (fwd, bwd, inputs, g) in variants.items():
+        out[name] = {}
+        for kind, fn, args in (("forward", fwd, inputs), ("forward_backward", bwd, (*inputs, g))):
+            start = time.perf_counter()
+            exe = jax.jit(fn).lower(*args).compile()
+            compile_s = time.perf_counter() - start
+            warm, _ = timed(exe, *args)
+            compiled[name, kind] = (exe, args)
+            out[name][kind] = {"compile_s": round(compile_s, 2), "warmup_ms": round(1e3 * warm, 1)}
+    times = {key: [] for key in compiled}
+    for _ in range(rounds):
+        for key, (exe, args) in compiled.items():
+            times[key].append(timed(exe, *args)[0])
+    first = next(iter(variants))
+    for (name, kind), ts in times.items():
+        row = out[name][kind]
+        row["ms"] = summary(ts, 1e3, 2)
+        row["ms_per_round"] = [round(1e3 * t, 2) for t in ts]
+        if name != first:
+            per_round = [t / f for t, f in zip(ts, times[first, kind], strict=True)]
+            row[f"ratio_to_{first}"] = {
+                "of_medians": round(
+                    statistics.median(ts) / statistics.median(times[first, kind]), 2
+                ),
+                "per_round_min": round(min(per_round), 2),
+                "per_round_median": round(statistics.median(per_round), 2),
+                "per_round_max": round(max(per_round), 2),
+            }
+    return out

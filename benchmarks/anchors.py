@@ -37,13 +37,12 @@ shared and noisy: compare ratios within one run. Writes ``results/anchors_<backe
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-from _common import REPO, add_shape_args, machine_info, summary, timed, write_json
+from _common import REPO, add_shape_args, interleaved, machine_info, write_json
 from flax import nnx
 
 import aaren_jax as aj
@@ -198,40 +197,6 @@ def block_variants(n: int, args):
 
 
 # ----------------------------------------------------------------------------------------
-
-
-def interleaved(variants: dict, rounds: int) -> dict:
-    """Compiles, warms up and times every variant's forward and forward+backward."""
-    compiled, out = {}, {}
-    for name, (fwd, bwd, inputs, g) in variants.items():
-        out[name] = {}
-        for kind, fn, args in (("forward", fwd, inputs), ("forward_backward", bwd, (*inputs, g))):
-            start = time.perf_counter()
-            exe = jax.jit(fn).lower(*args).compile()
-            compile_s = time.perf_counter() - start
-            warm, _ = timed(exe, *args)
-            compiled[name, kind] = (exe, args)
-            out[name][kind] = {"compile_s": round(compile_s, 2), "warmup_ms": round(1e3 * warm, 1)}
-    times = {key: [] for key in compiled}
-    for _ in range(rounds):
-        for key, (exe, args) in compiled.items():
-            times[key].append(timed(exe, *args)[0])
-    first = next(iter(variants))
-    for (name, kind), ts in times.items():
-        row = out[name][kind]
-        row["ms"] = summary(ts, 1e3, 2)
-        row["ms_per_round"] = [round(1e3 * t, 2) for t in ts]
-        if name != first:
-            per_round = [t / f for t, f in zip(ts, times[first, kind], strict=True)]
-            row[f"ratio_to_{first}"] = {
-                "of_medians": round(
-                    statistics.median(ts) / statistics.median(times[first, kind]), 2
-                ),
-                "per_round_min": round(min(per_round), 2),
-                "per_round_median": round(statistics.median(per_round), 2),
-                "per_round_max": round(max(per_round), 2),
-            }
-    return out
 
 
 def main() -> None:

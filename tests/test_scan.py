@@ -572,6 +572,7 @@ def test_compensated_initial_state_is_continued_by_every_method(method):
 def test_auto_resolves_to_named_methods():
     assert aj.resolve_method("auto", 1, "cpu") == "single"
     assert aj.resolve_method("auto", 8, "cpu") == "associative"
+    assert aj.resolve_method("auto", 16, "cpu") == "blocked"
     assert aj.resolve_method("auto", 4096, "cpu") == "blocked"
     assert aj.resolve_method("auto", 4096, "gpu") == "associative"
     assert aj.resolve_method("chunked", 4096) == "chunked"

@@ -46,9 +46,11 @@ Array = jax.Array
 
 METHODS = ("auto", "blocked", "associative", "sequential", "chunked", "single")
 DEFAULT_CHUNK_SIZE = 64
-# Below this length the blocked kernel has at most one block and gains nothing over the
-# associative scan, which also has forward-mode AD.
-BLOCKED_MIN_TOKENS = 64
+# From this length on "auto" takes the blocked kernel on CPU. benchmarks/short_sequences.py
+# (results/short_sequences_cpu.json): from T = 16 the associative scan was never the fastest,
+# forward or forward+backward (up to 1.9x slower, and 2-4x slower to compile); below, every
+# method takes under 0.2 ms and the associative scan's forward was the fastest.
+BLOCKED_MIN_TOKENS = 16
 
 
 class AttentionState(NamedTuple):
@@ -441,10 +443,11 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
 
     One token takes ``"single"`` (one ``combine``) whatever the method: a layer's ``step``
     is that, and a compensated carry keeps its error terms. ``"auto"`` resolves by backend
-    and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` or more take ``"blocked"``,
-    the fastest method at every length ``benchmarks/scan.py`` measured there, forward and
-    backward (``results/scan_cpu.json``); shorter ones, and other backends (not measured
-    here), the paper's ``"associative"`` scan. ``"blocked"`` differentiates in both modes
+    and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` (16) or more take
+    ``"blocked"``, faster than the associative scan at every length measured there, forward
+    and backward, and quicker to compile (``benchmarks/scan.py`` from T = 1,024,
+    ``benchmarks/short_sequences.py`` from T = 2); shorter ones, and other backends (not
+    measured here), the paper's ``"associative"`` scan. ``"blocked"`` differentiates in both modes
     (a custom JVP that JAX transposes for the backward pass). Other names are returned as
     they are.
 
@@ -627,12 +630,14 @@ def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
 
 
 def _pick_chunk(num_tokens: int, target: int) -> int:
-    """A block size near ``target`` that divides T when one exists (no padding copy)."""
+    """A block size near ``target`` that divides T when one exists (no padding copy); else
+    the smallest size that keeps the number of blocks ``ceil(T / target)``, so that fewer
+    padding tokens than blocks are computed (T = 257, target 64: 5 blocks of 52, not 64)."""
     target = max(1, min(target, num_tokens))
     for size in range(target, max(target // 2, 1) - 1, -1):
         if num_tokens % size == 0:
             return size
-    return target
+    return -(-num_tokens // -(-num_tokens // target))
 
 
 def _to_blocks(x: Array, batch_ndim: int, num_blocks: int, chunk_size: int, fill=0) -> Array:
