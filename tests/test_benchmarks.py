@@ -71,3 +71,16 @@ def test_rsa_forecasting_table_pairs_seeds_and_counts_wins(monkeypatch):
     assert "rsa_transformer lowers the MAE of transformer in 1 of 1" in table
     monkeypatch.setattr(report, "_load", lambda name: records[:2])
     assert report.rsa_forecasting_table() is None
+
+
+def test_short_sequence_variants_agree_across_methods():
+    import short_sequences
+
+    variants = short_sequences.variants(2, 1, 9, 3)
+    (s, v), g = variants["auto"][2], variants["auto"][3]
+    want = variants["sequential"][0](s, v)
+    want_grads = variants["sequential"][1](s, v, g)
+    for method, (forward, grad, _, _) in variants.items():
+        np.testing.assert_allclose(forward(s, v), want, rtol=1e-5, atol=1e-6, err_msg=method)
+        for got, ref in zip(grad(s, v, g), want_grads, strict=True):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=method)
