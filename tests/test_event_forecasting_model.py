@@ -266,3 +266,29 @@ def test_train_and_evaluate_resumes_exactly(tmp_path):
     assert np.isfinite(full["nll"]) and np.isfinite(full["true_nll"])
     assert 0.0 <= full["accuracy"] <= 100.0
     assert (tmp_path / "a" / "result.json").exists()
+
+
+def test_copy_prior_starts_at_repeat_the_previous_mark():
+    seqs, _, _ = data.generate("hawkes", num_seqs=2, seed=3)
+    m, rng = 500, np.random.default_rng(0)
+    seqs = [dataclasses.replace(s, marks=rng.integers(0, m, len(s.marks))) for s in seqs]
+    batch = {k: jnp.asarray(v) for k, v in data.make_batch(seqs, m, -0.5, 1.3).items()}
+    probs = {}
+    for prior in (False, True):
+        cfg = dataclasses.replace(
+            configs.tiny_config("hawkes", "aaren").model, copy_marks=True, copy_prior=prior
+        )
+        net = model.EventModel(cfg, m, -0.5, 1.3, rngs=nnx.Rngs(params=0, dropout=1))
+        net.eval()
+        p = jax.nn.softmax(net(batch).mark_logits, axis=-1)
+        last = np.asarray(batch["mark_in"])  # position j predicts event j + 1: its previous mark
+        has_last = last < m
+        probs[prior] = np.take_along_axis(np.asarray(p), np.minimum(last, m - 1)[..., None], -1)[
+            ..., 0
+        ][has_last]
+        bias = np.asarray(net.copy_gate.bias[...])
+        np.testing.assert_allclose(bias, [np.log(m), 0.0] if prior else [0.0, 0.0], rtol=1e-6)
+    # log M on the previous mark against M - 1 logits near 0: about one half (the random
+    # initial gate weights and mark head spread it), where without the prior it is near 1 / M
+    assert 0.3 < np.median(probs[True]) < 0.7 and probs[True].min() > 10 / m
+    assert probs[False].max() < 0.05

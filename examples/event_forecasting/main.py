@@ -29,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=None)
     p.add_argument("--tie-marks", action="store_true", help="mark logits from the embeddings")
     p.add_argument("--copy-marks", action="store_true", help="copy head on the mark logits")
+    p.add_argument(
+        "--copy-prior", action="store_true", help="copy head starts at repeat-the-previous-mark"
+    )
     p.add_argument("--log-scale-max", type=float, default=None, help="upper log-scale clamp")
     p.add_argument(
         "--gap-ema", type=float, nargs="*", default=None, help="decay rates of the recency features"
@@ -57,6 +60,8 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
         cfg.model.tie_marks = True
     if args.copy_marks:
         cfg.model.copy_marks = True
+    if args.copy_prior:
+        cfg.model.copy_prior = True
     if args.log_scale_max is not None:
         cfg.model.log_scale_max = args.log_scale_max
     if args.gap_ema is not None:

@@ -204,6 +204,8 @@ class EventModel(nnx.Module):
         # mark seen earlier in the sequence can be predicted even when training never saw it
         self.copy_marks = cfg.copy_marks and num_marks > 1
         self.copy_gate = nnx.Linear(d, 2, rngs=rngs) if self.copy_marks else None
+        if self.copy_gate is not None and cfg.copy_prior:
+            self.copy_gate.bias[...] = jnp.array([np.log(num_marks), 0.0], jnp.float32)
         # recency features (last, for the same reason): the running averages of the log gaps
         # give every token the recent rhythm of the stream, which a softmax over the whole
         # history (Aaren's query is one learned vector) otherwise has to dig out itself

@@ -132,6 +132,7 @@ def run(
         "params": int(n_params),
         # the settings that differ between datasets, so that stale records can be told apart
         "copy_marks": config.model.copy_marks,
+        "copy_prior": config.model.copy_prior,
         "log_scale_max": config.model.log_scale_max,
         "max_epochs": config.loop.max_epochs,
         "warmup_steps": config.optim.warmup_steps,
