@@ -133,3 +133,15 @@ def test_sinusoidal_positions_against_the_formula(dim):
     want = np.where(c % 2 == 0, np.sin(angle), np.cos(angle))
     assert pe.shape == (200, dim) and pe.dtype == np.float32
     np.testing.assert_allclose(pe, want, atol=1e-6)
+
+
+def test_claim_run_is_exclusive_until_released(tmp_path):
+    from examples.common import claim_run
+
+    lock = tmp_path / "runs" / "hopper-medium-aaren-0.lock"
+    with claim_run(lock) as first:
+        assert first
+        with claim_run(lock) as second:  # another open file description: refused at once
+            assert not second
+    with claim_run(lock) as again:
+        assert again

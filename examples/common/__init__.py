@@ -10,7 +10,13 @@ from examples.common.checkpoint import CheckpointIO
 from examples.common.loop import LoopConfig, TrainResult, TrainStep, fit, make_train_step
 from examples.common.optim import OptimConfig, make_optimizer, weight_decay_mask
 from examples.common.progress import setup_logging
-from examples.common.results import append_record, load_records, record_key, results_path
+from examples.common.results import (
+    append_record,
+    claim_run,
+    load_records,
+    record_key,
+    results_path,
+)
 from examples.common.runs import ConfigMismatchError, RunDir, default_run_dir, plot_history
 
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "TrainResult",
     "TrainStep",
     "append_record",
+    "claim_run",
     "default_run_dir",
     "fit",
     "load_records",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from examples.common.paths import runs_root
@@ -45,6 +46,31 @@ def append_record(path: str | os.PathLike, record: Mapping) -> None:
             json.dump(records, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def claim_run(path: str | os.PathLike) -> Iterator[bool]:
+    """Claims one run for this process while the block runs: yields False if another process
+    holds it (skip the run), True otherwise.
+
+    Sweep processes side by side over one results file re-read it before each run, but a run
+    is recorded only when it ends: without a claim, a second process reaching a run that the
+    first is still training resumes the same checkpoints and records it twice. The claim is
+    an exclusive non-blocking ``flock`` on ``path`` (e.g. ``<run folder>.lock``), which the
+    system drops when its process ends, so a crashed sweep never leaves a stale claim.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def results_path(arg: str | os.PathLike | None, task: str) -> Path:

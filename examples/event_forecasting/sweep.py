@@ -21,7 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from examples.common import append_record, load_records, record_key, setup_logging  # noqa: E402
+from examples.common import (  # noqa: E402
+    append_record,
+    claim_run,
+    load_records,
+    record_key,
+    setup_logging,
+)
 from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
 from examples.event_forecasting import configs, data, train  # noqa: E402
 
@@ -75,20 +81,23 @@ def main(argv=None) -> None:
     for n, (ds, model, seed) in enumerate(runs):
         if args.max_runs is not None and n >= args.max_runs:
             break
-        # re-read: another sweep process may have recorded this run meanwhile
-        if (ds, model, seed) in {record_key(r, KEY) for r in load_records(args.results)}:
-            continue
-        cfg = configs.get_config(ds, model, seed)
-        cfg.data.data_root = args.data_root
-        cfg.data.cache_dir = args.cache_dir
-        cfg.loop.progress = not args.no_progress
-        if ds not in cache:
-            cache.clear()
-            cache[ds] = train.load_data(cfg)
         workdir = Path(args.workdir_root) / f"{ds}_{model}_{seed}"
-        record = train.train_and_evaluate(cfg, str(workdir), data=cache[ds])
-        append_record(args.results, record)
-        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+        with claim_run(workdir.with_name(workdir.name + ".lock")) as claimed:
+            # re-read under the claim: another sweep process may have recorded this run
+            done = {record_key(r, KEY) for r in load_records(args.results)}
+            if not claimed or (ds, model, seed) in done:
+                logging.info("%s %s %d: done or claimed by another sweep", ds, model, seed)
+                continue
+            cfg = configs.get_config(ds, model, seed)
+            cfg.data.data_root = args.data_root
+            cfg.data.cache_dir = args.cache_dir
+            cfg.loop.progress = not args.no_progress
+            if ds not in cache:
+                cache.clear()
+                cache[ds] = train.load_data(cfg)
+            record = train.train_and_evaluate(cfg, str(workdir), data=cache[ds])
+            append_record(args.results, record)
+            shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from examples.common import (  # noqa: E402
     append_record,
+    claim_run,
     default_run_dir,
     load_records,
     record_key,
@@ -105,17 +106,20 @@ def main(argv=None) -> None:
         if dataset_id(env, ds) not in local:
             logging.warning("%s not generated yet (generate.py --env %s): skipped", ds, env)
             continue
-        # re-read: another sweep process may have recorded this run meanwhile
-        if (env, ds, model, seed) in {record_key(r, KEY) for r in load_records(results)}:
-            continue
         cfg = run_config(args, env, ds, model, seed)
-        if (env, ds) not in cache:
-            cache.clear()
-            cache[(env, ds)] = train.load_data(cfg)
         workdir = default_run_dir("offline_rl", f"{env}-{ds}-{model}-{seed}", cfg)
-        records = train.train_and_evaluate(cfg, str(workdir), traj=cache[(env, ds)])
-        for record in records:
-            append_record(results, record)
+        with claim_run(workdir.with_name(workdir.name + ".lock")) as claimed:
+            # re-read under the claim: another sweep process may have recorded this run
+            done = {record_key(r, KEY) for r in load_records(results)}
+            if not claimed or (env, ds, model, seed) in done:
+                logging.info("%s-%s-%s-%d: done or claimed by another sweep", env, ds, model, seed)
+                continue
+            if (env, ds) not in cache:
+                cache.clear()
+                cache[(env, ds)] = train.load_data(cfg)
+            records = train.train_and_evaluate(cfg, str(workdir), traj=cache[(env, ds)])
+            for record in records:
+                append_record(results, record)
         new += 1
 
 
