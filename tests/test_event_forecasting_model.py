@@ -292,3 +292,6 @@ def test_copy_prior_starts_at_repeat_the_previous_mark():
     # initial gate weights and mark head spread it), where without the prior it is near 1 / M
     assert 0.3 < np.median(probs[True]) < 0.7 and probs[True].min() > 10 / m
     assert probs[False].max() < 0.05
+    without_head = dataclasses.replace(cfg, copy_marks=False, copy_prior=True)
+    with pytest.raises(ValueError, match="copy_prior .* needs copy_marks"):
+        model.EventModel(without_head, m, -0.5, 1.3, rngs=nnx.Rngs(0))

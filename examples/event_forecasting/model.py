@@ -202,6 +202,8 @@ class EventModel(nnx.Module):
         # depend on them): two context-gated bonuses on the mark logits, for the previous
         # event's mark and for log(1 + count) of each mark so far in the window, so that a
         # mark seen earlier in the sequence can be predicted even when training never saw it
+        if cfg.copy_prior and not cfg.copy_marks:
+            raise ValueError("copy_prior starts the copy head: it needs copy_marks=True")
         self.copy_marks = cfg.copy_marks and num_marks > 1
         self.copy_gate = nnx.Linear(d, 2, rngs=rngs) if self.copy_marks else None
         if self.copy_gate is not None and cfg.copy_prior:

@@ -48,8 +48,9 @@ METHODS = ("auto", "blocked", "associative", "sequential", "chunked", "single")
 DEFAULT_CHUNK_SIZE = 64
 # From this length on "auto" takes the blocked kernel on CPU. benchmarks/short_sequences.py
 # (results/short_sequences_cpu.json): from T = 16 the associative scan was never the fastest,
-# forward or forward+backward (up to 1.9x slower, and 2-4x slower to compile); below, every
-# method takes under 0.2 ms and the associative scan's forward was the fastest.
+# forward or forward+backward (up to 4x slower than the fastest, and 2-4x slower to compile
+# than the blocked kernel); below, every method takes under 0.2 ms and the associative
+# scan's forward was the fastest.
 BLOCKED_MIN_TOKENS = 16
 
 
@@ -444,8 +445,8 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
     One token takes ``"single"`` (one ``combine``) whatever the method: a layer's ``step``
     is that, and a compensated carry keeps its error terms. ``"auto"`` resolves by backend
     and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` (16) or more take
-    ``"blocked"``, faster than the associative scan at every length measured there, forward
-    and backward, and quicker to compile (``benchmarks/scan.py`` from T = 1,024,
+    ``"blocked"``, faster than the associative scan at every such length measured there,
+    forward and backward, and quicker to compile (``benchmarks/scan.py`` from T = 1,024,
     ``benchmarks/short_sequences.py`` from T = 2); shorter ones, and other backends (not
     measured here), the paper's ``"associative"`` scan. ``"blocked"`` differentiates in both modes
     (a custom JVP that JAX transposes for the backward pass). Other names are returned as
