@@ -99,8 +99,10 @@ def _readout(state):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("batch_shape", [(), (3,), (2, 3)])
+@pytest.mark.parametrize("batch_shape", [(), (3,), (2, 3), (1, 3), (2, 1, 3)])
 def test_leading_shapes(method, batch_shape):
+    # (1, 3): the blocked kernel runs on one flat batch axis (a leading axis of size 1 was
+    # a slow path of XLA's CPU code); the final state keeps the caller's batch shape.
     rng = np.random.default_rng(1)
     scores = rng.normal(size=(*batch_shape, 11)).astype(np.float32)
     values = rng.normal(size=(*batch_shape, 11, 4)).astype(np.float32)
@@ -108,7 +110,9 @@ def test_leading_shapes(method, batch_shape):
     out, final = jitted(method, 4)(scores, values, mask)
     chex.assert_shape(out, (*batch_shape, 11, 4))
     chex.assert_shape(final.w, (*batch_shape, 4))
+    chex.assert_shape((final.m, final.u), batch_shape)
     np.testing.assert_allclose(out, brute_force(scores, values, mask), atol=2e-6, rtol=2e-5)
+    np.testing.assert_allclose(aj.readout(final), out[..., -1, :], atol=2e-6, rtol=2e-5)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 8, 13, 64])

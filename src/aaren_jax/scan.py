@@ -624,7 +624,22 @@ def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
     if init.compensated:
         plain = AttentionState(init.m, init.u + init.u_err, init.w + init.w_err)
     block = _pick_chunk(scores.shape[-1], chunk_size)
-    outputs, final = _blocked_attention(scores, values, valid, plain, block)
+    # The kernel runs on one flat batch axis: XLA's CPU code for the same loops over a
+    # leading axis of size 1 (B = 1, [1, H, T]) was 4-6x slower than over [H, T]
+    # (benchmarks/scan_profile.py); the reshapes are free (row-major bitcasts).
+    batch_shape, (num_tokens, dim) = scores.shape[:-1], values.shape[-2:]
+    flat_plain = _map_state(plain, lambda x: x.reshape(-1), lambda x: x.reshape(-1, dim))
+    outputs, final = _blocked_attention(
+        scores.reshape(-1, num_tokens),
+        values.reshape(-1, num_tokens, dim),
+        valid.reshape(-1, num_tokens),
+        flat_plain,
+        block,
+    )
+    outputs = outputs.reshape(*batch_shape, num_tokens, dim)
+    final = _map_state(
+        final, lambda x: x.reshape(batch_shape), lambda x: x.reshape(*batch_shape, dim)
+    )
     if init.compensated:
         final = final._replace(u_err=jnp.zeros_like(final.u), w_err=jnp.zeros_like(final.w))
     return outputs, final
