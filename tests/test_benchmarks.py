@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import aaren_jax as aj
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import anchors  # noqa: E402
@@ -84,3 +86,41 @@ def test_short_sequence_variants_agree_across_methods():
         np.testing.assert_allclose(forward(s, v), want, rtol=1e-5, atol=1e-6, err_msg=method)
         for got, ref in zip(grad(s, v, g), want_grads, strict=True):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=method)
+
+
+def test_scan_profile_pass1_and_compiled_facts(key):
+    import scan_profile
+
+    k1, k2 = jax.random.split(key)
+    scores = jax.random.normal(k1, (3, 128)) * 4
+    values = jax.random.normal(k2, (3, 128, 5))
+    start_m, (start_u, start_w), final_m, (final_u, final_w) = scan_profile.pass1(scores, values)
+    # the state before each block and after the last is attention over the tokens before it
+    block = 128 // start_m.shape[-1]
+    for j in range(start_m.shape[-1]):
+        if j == 0:
+            assert np.all(np.asarray(start_u[:, 0]) == 0)
+            continue
+        want = aj.prefix_attention(scores[:, : j * block], values[:, : j * block])[0][:, -1]
+        got = start_w[:, j] / start_u[:, j, None]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(final_m, jnp.max(scores, -1))
+    want = aj.prefix_attention(scores, values)[0][:, -1]
+    np.testing.assert_allclose(final_w / final_u[:, None], want, rtol=1e-5, atol=1e-6)
+
+    facts = scan_profile.compiled_facts(1, 2, 128, 4)
+    assert facts["method"] == "blocked" and facts["fusions"] > 0
+    assert facts["in_place_update_fusions"] >= 1
+    assert scan_profile._elements("%x = f32[2,3,4]{2,1,0} fusion(%a)") == 24
+
+
+def test_scan_profile_score_variants_agree():
+    import scan_profile
+
+    table = scan_profile.variants(2, 2, 16, 4)
+    keys_fn, _, args, _ = table["scores_from_keys"]
+    folded_fn, _, folded_args, _ = table["scores_folded"]
+    np.testing.assert_allclose(folded_fn(*folded_args), keys_fn(*args), rtol=1e-4, atol=1e-5)
+    kernel_fn, _, args, _ = table["kernel"]
+    flat_fn, _, flat_args, _ = table["kernel_batch1"]
+    np.testing.assert_allclose(flat_fn(*flat_args)[0], kernel_fn(*args).reshape(4, 16, 4))

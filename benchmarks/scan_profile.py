@@ -1,0 +1,183 @@
+"""Where the default scan kernel's forward time goes on this CPU; prints JSON.
+
+    python benchmarks/scan_profile.py                  # B=8, H=4, D=64, N in {4096, 16384}
+    python benchmarks/scan_profile.py --quick          # N = 1024, 3 rounds
+
+The blocked kernel (``method="auto"`` on CPU) moves, per forward pass, these value-sized
+arrays: pass 1 reads the values (block totals), the output buffer is zero-filled before the
+in-place loop, pass 2 reads the values again and writes the outputs. The floor
+(``a * b + a``) moves 3; a kernel that reads the values once and writes the outputs once
+moves 2 (about 0.67x the floor).
+
+Timed here, interleaved round by round (``_common.interleaved``, forward only):
+
+* ``floor``: ``a * b + a`` over two value-sized arrays (3 arrays moved);
+* ``read_one``: a sum over D of one value-sized array (1 array read: the bandwidth cost
+  of one pass);
+* ``write_one``: one value-sized array written from a score-sized one (1 array written);
+* ``pass1``: the kernel's pass 1 and its scan across blocks, alone (``_block_starts``);
+* ``kernel``: the whole forward, ``prefix_attention`` at the default method;
+* ``kernel_batch1``: the same number of tokens as one ``[1, H * B, N]`` batch (the shape a
+  batch of one long sequence gives);
+* ``scores_from_keys`` and ``scores_folded``: the Aaren layer's scores from its input
+  ``x`` [B, N, H * D], by forming the keys ``x W_k`` and reducing them against the query
+  (the layer until 2026-11-24), and with the query folded into the key projection
+  (``x (W_k q)``, the layer now).
+
+Each time is also given in "arrays": its median over the median of ``read_one``. Then facts
+from the compiled forward: how many fusions write in place (``dynamic-update-slice``) and
+how many of those XLA's CPU backend splits across threads (``outer_dimension_partitions``;
+XLA never splits an in-place update, so pass 2's output writes run on one core), and whether
+the output buffer is zero-filled first. Writes ``results/scan_profile_<backend>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+from _common import REPO, add_shape_args, interleaved, machine_info, write_json
+
+import aaren_jax as aj
+from aaren_jax.scan import _block_starts, _pick_chunk, resolve_method
+
+
+def _forward_only(fn):
+    """``interleaved`` times a forward and a forward+backward: here both are the forward."""
+    return fn, lambda *args: fn(*args[:-1])
+
+
+def pass1(scores, values):
+    """The blocked kernel's pass 1 and scan across blocks, as the kernel runs them."""
+    batch, num_tokens, dim = scores.shape[0], scores.shape[-1], values.shape[-1]
+    chunk = _pick_chunk(num_tokens, aj.scan.DEFAULT_CHUNK_SIZE)
+    blocks = num_tokens // chunk
+    score_blocks = scores.reshape(batch, blocks, chunk)
+    value_blocks = values.reshape(batch, blocks, chunk, dim)
+    return _block_starts(
+        score_blocks,
+        (jnp.ones_like(score_blocks), value_blocks),
+        jnp.full((batch,), -jnp.inf),
+        (jnp.zeros((batch,)), jnp.zeros((batch, dim))),
+    )
+
+
+def variants(batch: int, heads: int, length: int, dim: int) -> dict:
+    keys = jax.random.split(jax.random.key(length), 3)
+    scores = jax.random.normal(keys[0], (batch, heads, length)) * 2
+    values = jax.random.normal(keys[1], (batch, heads, length, dim))
+    other = jax.random.normal(keys[2], (batch, heads, length, dim))
+    flat_scores = scores.reshape(batch * heads, length)
+    flat_values = values.reshape(batch * heads, length, dim)
+
+    def kernel(s, v):
+        return aj.prefix_attention(s, v)[0]
+
+    d_model = heads * dim
+    x = jax.random.normal(keys[2], (batch, length, d_model))
+    key_kernel = jax.random.normal(keys[0], (d_model, d_model)) / d_model**0.5
+    query = jax.random.normal(keys[1], (heads, dim))
+
+    def scores_from_keys(x, w):
+        k = jnp.matmul(x, w).reshape(batch, length, heads, dim)
+        return jnp.sum(k * query[None, None], axis=-1)
+
+    def scores_folded(x, w):
+        return jnp.matmul(x, jnp.einsum("ihd,hd->ih", w.reshape(d_model, heads, dim), query))
+
+    table = {
+        "floor": (lambda a, b: a * b + a, (values, other)),
+        "read_one": (lambda v: jnp.sum(v, axis=-1), (values,)),
+        "write_one": (lambda s: jnp.broadcast_to(s[..., None], values.shape) * 2.0, (scores,)),
+        "pass1": (pass1, (flat_scores, flat_values)),
+        "kernel": (kernel, (scores, values)),
+        "kernel_batch1": (kernel, (flat_scores[None], flat_values[None])),
+        "scores_from_keys": (scores_from_keys, (x, key_kernel)),
+        "scores_folded": (scores_folded, (x, key_kernel)),
+    }
+    return {name: (*_forward_only(fn), args, args[0]) for name, (fn, args) in table.items()}
+
+
+def compiled_facts(batch: int, heads: int, length: int, dim: int) -> dict:
+    """In-place fusions of the compiled forward, and which of them XLA splits across threads."""
+    scores = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
+    values = jax.ShapeDtypeStruct((batch, heads, length, dim), jnp.float32)
+    text = jax.jit(lambda s, v: aj.prefix_attention(s, v)[0]).lower(scores, values)
+    text = text.compile().as_text()
+    fusion_lines = [line for line in text.splitlines() if re.search(r"= \S+ fusion\(", line)]
+    in_place = [line for line in fusion_lines if "dynamic-update-slice" in line.split("=")[0]]
+    split = [line for line in in_place if re.search(r'outer_dimension_partitions":\["', line)]
+    value_size = batch * heads * length * dim
+    zero_fills = [
+        line
+        for line in fusion_lines
+        if "broadcast" in line.split("=")[0] and _elements(line) == value_size
+    ]
+    return {
+        "fusions": len(fusion_lines),
+        "in_place_update_fusions": len(in_place),
+        "in_place_update_fusions_split_across_threads": len(split),
+        "value_sized_zero_fills": len(zero_fills),
+        "method": resolve_method("auto", length),
+    }
+
+
+def _elements(line: str) -> int:
+    """The number of elements of the array an HLO instruction line defines (0 if none)."""
+    match = re.search(r"= \w+\[([\d,]*)\]", line)
+    if match is None:
+        return 0
+    size = 1
+    for extent in filter(None, match.group(1).split(",")):
+        size *= int(extent)
+    return size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    add_shape_args(parser, blocks=False)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--quick", action="store_true", help="N = 1024, 3 rounds")
+    parser.add_argument("--out", default=None, help="default: results/scan_profile_<backend>.json")
+    args = parser.parse_args()
+    lengths, rounds = ([1024], 3) if args.quick else (args.lengths, args.rounds)
+
+    rows = []
+    for length in lengths:
+        timings = interleaved(variants(args.batch, args.heads, length, args.dim), rounds)
+        forward = {name: t["forward"] for name, t in timings.items()}
+        one_array = forward["read_one"]["ms"]["median"]
+        row = {"N": length}
+        for name, t in forward.items():
+            row[name] = {
+                "ms": t["ms"],
+                "ms_per_round": t["ms_per_round"],
+                "arrays": round(t["ms"]["median"] / one_array, 2),
+                "x_floor": round(t["ms"]["median"] / forward["floor"]["ms"]["median"], 2),
+            }
+        row["pass2_and_zero_fill_ms"] = round(
+            forward["kernel"]["ms"]["median"] - forward["pass1"]["ms"]["median"], 2
+        )
+        row["compiled"] = compiled_facts(args.batch, args.heads, length, args.dim)
+        rows.append(row)
+        summary_line = ", ".join(f"{k} {row[k]['x_floor']}x" for k in forward)
+        print(f"N={length}: {summary_line}", file=sys.stderr)
+
+    result = {
+        "benchmark": "scan_profile",
+        "shape": {"B": args.batch, "H": args.heads, "D": args.dim, "dtype": "float32"},
+        "rounds": rounds,
+        "machine": machine_info(),
+        "command": "python benchmarks/scan_profile.py" + (" --quick" if args.quick else ""),
+        "results": rows,
+    }
+    out = args.out or REPO / "results" / f"scan_profile_{jax.default_backend()}.json"
+    write_json(out, result)
+
+
+if __name__ == "__main__":
+    main()
