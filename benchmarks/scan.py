@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def main():
         "benchmark": "prefix_attention",
         "shape": {"B": args.batch, "H": args.heads, "D": args.dim, "dtype": "float32"},
         "machine": machine(),
-        "command": "python benchmarks/scan.py --lengths " + " ".join(map(str, args.lengths)),
+        "command": " ".join(["python", "benchmarks/scan.py", *sys.argv[1:]]),
         "results": rows,
     }
     text = json.dumps(report, indent=2)

@@ -172,7 +172,7 @@ def main() -> None:
         "shape": {"B": args.batch, "H": args.heads, "D": args.dim, "dtype": "float32"},
         "rounds": rounds,
         "machine": machine_info(),
-        "command": "python benchmarks/scan_profile.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python", "benchmarks/scan_profile.py", *sys.argv[1:]]),
         "results": rows,
     }
     out = args.out or REPO / "results" / f"scan_profile_{jax.default_backend()}.json"
