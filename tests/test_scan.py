@@ -599,3 +599,88 @@ def test_one_token_keeps_compensation_whatever_the_method(method):
         expected = aj.combine(expected, aj.AttentionState(s[:, 0], jnp.ones(3), v[:, 0]))
     chex.assert_trees_all_equal(state, expected)
     assert np.any(np.asarray(state.w_err) != 0)
+
+
+# ----------------------------------------------------------------------------------------
+# The blocked kernel on a long sequence: many blocks, runs of masked tokens across block
+# boundaries, hostile values far from the start; few and small cases.
+
+LONG = 2085  # no block size near the default divides it: padding
+
+
+@pytest.mark.parametrize("case", ["random", "huge_far_apart", "nan_score", "nan_value"])
+def test_blocked_long_sequence_matches_float64_brute_force(case):
+    rng = np.random.default_rng(31)
+    scores = rng.normal(size=(4, LONG)).astype(np.float32)
+    values = rng.normal(size=(4, LONG, 3)).astype(np.float32)
+    mask = mask_kinds(rng, (LONG,))  # none, random, left padding, all masked
+    mask[1, 700:900] = False  # a masked run across several blocks
+    if case == "huge_far_apart":  # scores 1e3 apart inside one block: weights underflow
+        scores = scores * 1e3
+    bad = 1000
+    if case == "nan_score":
+        scores[:, bad] = np.nan
+    elif case == "nan_value":
+        values[:, bad, 1] = np.nan
+    scores[~mask], values[~mask] = np.inf, np.nan  # garbage where masked: ignored
+    out, final = jax.jit(lambda s, v, m: aj.prefix_attention(s, v, m, method="blocked"))(
+        scores, values, mask
+    )
+    out = np.asarray(out)
+    attended = mask[:, bad]
+    want = brute_force(
+        np.where(mask, scores, 0)[:, :bad],
+        np.where(mask[..., None], values, 0)[:, :bad],
+        mask[:, :bad],
+    )
+    np.testing.assert_allclose(out[:, :bad], want, atol=2e-6, rtol=2e-5)
+    if case in ("random", "huge_far_apart"):
+        want = brute_force(np.where(mask, scores, 0), np.where(mask[..., None], values, 0), mask)
+        np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+        np.testing.assert_allclose(aj.readout(final), want[:, -1], atol=2e-6, rtol=2e-5)
+    elif case == "nan_score":  # NaN from the bad token on, in rows that attend it
+        assert np.all(np.isnan(out[attended, bad:]))
+    else:  # only the poisoned channel
+        assert np.all(np.isnan(out[attended, bad:, 1]))
+        assert np.all(np.isfinite(out[attended, bad:][..., [0, 2]]))
+    assert np.all(out[3] == 0)  # the all-masked row
+
+
+def test_blocked_long_sequence_derivatives_and_initial_state():
+    rng = np.random.default_rng(32)
+    init = aj.init_state((2,), 3)
+    init = init._replace(m=jnp.array([1.0, -jnp.inf]), u=jnp.array([2.0, 0.0]))
+    init = init._replace(w=jnp.asarray(rng.normal(size=(2, 3)), jnp.float32))
+    mask = jnp.asarray(rng.random((2, LONG)) > 0.3)
+
+    def f(method):
+        def run(s, v):
+            out, final = aj.prefix_attention(s, v, mask, initial_state=init, method=method)
+            return jnp.sum(jnp.sin(out)) + jnp.sum(final.w)
+
+        return jax.jit(run)
+
+    args = (
+        jnp.asarray(rng.normal(size=(2, LONG)), jnp.float32) * 3,
+        jnp.asarray(rng.normal(size=(2, LONG, 3)), jnp.float32),
+    )
+    np.testing.assert_allclose(f("blocked")(*args), f("sequential")(*args), rtol=1e-5)
+    got = jax.grad(f("blocked"), argnums=(0, 1))(*args)
+    want = jax.grad(f("sequential"), argnums=(0, 1))(*args)
+    for g, w in zip(got, want, strict=True):
+        # float32 sums over 2,000 tokens: errors relative to the gradient's scale
+        scale = float(np.abs(w).max())
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6 * scale)
+    tangents = tuple(jnp.ones_like(a) for a in args)
+    got = jax.jvp(f("blocked"), args, tangents)[1]
+    np.testing.assert_allclose(got, jax.jvp(f("sequential"), args, tangents)[1], rtol=2e-4)
+
+
+def test_blocked_long_sequence_bfloat16_inputs():
+    rng = np.random.default_rng(33)
+    scores = jnp.asarray(rng.normal(size=(2, LONG)), jnp.bfloat16)
+    values = jnp.asarray(rng.normal(size=(2, LONG, 64)), jnp.bfloat16)
+    out, final = aj.prefix_attention(scores, values, method="blocked")
+    assert out.dtype == jnp.bfloat16 and final.w.dtype == jnp.float32
+    want = brute_force(np.asarray(scores, np.float32), np.asarray(values, np.float32), True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=1e-2, rtol=1e-2)
