@@ -238,7 +238,44 @@ def rsa_forecasting_table():
         for metric in ("mse", "mae")
         if total[(rsa, metric)]
     )
-    return "\n".join(lines + ["", f"Comparisons (mean over the shared seeds): {counts}."])
+    against_all = _rsa_against_all_seeds(by_key, pairs)
+    all_gates = [g for r in records if r["model"].startswith("rsa_") for g in r.get("gates", [])]
+    gate_line = (
+        f"Learned gates sigmoid(mu): mean {np.mean(all_gates):.2f}, range "
+        f"{min(all_gates):.2f}-{max(all_gates):.2f}, over {len(all_gates)} layer gates of "
+        f"{sum(r['model'].startswith('rsa_') for r in records)} RSA runs."
+        if all_gates
+        else ""
+    )
+    return "\n".join(
+        lines
+        + ["", f"Comparisons (mean over the shared seeds): {counts}.", "", against_all, ""]
+        + [gate_line]
+    )
+
+
+def _rsa_against_all_seeds(by_key, pairs) -> str:
+    """RSA's mean over its seeds against the plain model's mean over all of its seeds: how
+    many errors RSA lowers, and how many by more than the plain model's sample std over its
+    seeds (none where it has one seed)."""
+    lowered, beyond_std, total = 0, 0, 0
+    for dataset, horizon, model in sorted(by_key):
+        for rsa, plain in pairs:
+            if model != rsa or not by_key.get((dataset, horizon, plain)):
+                continue
+            a = list(by_key[(dataset, horizon, rsa)].values())
+            b = list(by_key[(dataset, horizon, plain)].values())
+            for metric in ("mse", "mae"):
+                x, y = [r[metric] for r in a], [r[metric] for r in b]
+                gain = float(np.mean(y)) - float(np.mean(x))
+                total += 1
+                lowered += gain > 0
+                spread = float(np.std(y, ddof=1)) if len(y) > 1 else float("inf")
+                beyond_std += gain > spread
+    return (
+        f"Against the plain models' means over all their seeds: RSA lowers {lowered} of the "
+        f"{total} errors, {beyond_std} of them by more than the plain model's std over seeds."
+    )
 
 
 def cost_table():
