@@ -625,8 +625,8 @@ def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
         plain = AttentionState(init.m, init.u + init.u_err, init.w + init.w_err)
     block = _pick_chunk(scores.shape[-1], chunk_size)
     # The kernel runs on one flat batch axis: XLA's CPU code for the same loops over a
-    # leading axis of size 1 (B = 1, [1, H, T]) was 4-6x slower than over [H, T]
-    # (benchmarks/scan_profile.py); the reshapes are free (row-major bitcasts).
+    # leading axis of size 1 (B = 1, [1, H, T]) was 4-5x slower than over [H, T]
+    # (results/blocked_gradient_batch1_cpu.json); the reshapes are free (row-major bitcasts).
     batch_shape, (num_tokens, dim) = scores.shape[:-1], values.shape[-2:]
     flat_plain = _map_state(plain, lambda x: x.reshape(-1), lambda x: x.reshape(-1, dim))
     outputs, final = _blocked_attention(
