@@ -97,10 +97,14 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
     cfg = configs.tiny_config("hopper", "medium", backbone)
     cfg.data.data_root = str(root)
     records = train.train_and_evaluate(cfg, str(tmp_path / backbone))
-    assert [r["eval"] for r in records] == (
-        ["window", "stream"] if backbone == "aaren" else ["window"]
-    )
+    modes = ["window", "stream"] if backbone == "aaren" else ["window"]
+    assert [(r["eval"], r["target"]) for r in records] == [
+        (m, t) for m in modes for t in ("corl", "data_best")
+    ]
+    best = max(float(np.sum(r)) for r in train.load_data(cfg).rewards)
     for r in records:
+        expected = configs.TARGET_RETURNS["hopper"][0] if r["target"] == "corl" else best
+        assert r["target_return"] == pytest.approx(expected)
         assert r["model"] == backbone and r["env"] == "hopper" and r["dataset"] == "medium"
         assert r["train_steps"] == 2 and r["finished"]
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0

@@ -74,6 +74,9 @@ class EvalConfig:
 
     eval_episodes: int = 10  # episodes per evaluation, run in lockstep as one batch (CORL: 100)
     target_return: float | None = None  # None: CORL's first target return of the environment
+    # also condition on the dataset's best episode return: CORL's targets are D4RL-sized, and
+    # far beyond the returns of datasets from weaker behaviour agents (ours)
+    data_target: bool = True
     stream: bool = True  # also evaluate Aaren streaming the whole episode (O(1) per step)
     timing_steps: int = 200  # environment steps of the batch-1 timing of each evaluation mode
     seed: int = 1000  # offset of the evaluation episodes' environment seeds
