@@ -13,7 +13,7 @@ pytest.importorskip("mujoco")
 
 from flax import nnx  # noqa: E402
 
-from examples.offline_rl import configs, data, generate, model, sac, train  # noqa: E402
+from examples.offline_rl import configs, data, generate, model, report, sac, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,20 @@ def test_writer_reader_round_trip(generated):
     np.testing.assert_allclose(b["returns"][0], tr.returns[0][:4] * 1e-3, rtol=1e-5)
     np.testing.assert_array_equal(b["mask"][1], [1, 0, 0, 0])
     np.testing.assert_array_equal(b["timesteps"][1][1:] - b["timesteps"][1][:-1], [1, 1, 1])
+
+
+def test_data_table_from_the_manifest(generated):
+    _, _, entry = generated
+    rows = report.data_table({"hopper": entry}).splitlines()
+    cells = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in rows if r.startswith("| ")}
+    # own-normalised: the random policy at 0, the expert at 100
+    assert float(cells["random policy"][-1]) == 0.0
+    assert float(cells[next(k for k in cells if k.startswith("expert"))][-1]) == 100.0
+    d4rl_lo, d4rl_hi = configs.D4RL_REF["hopper"]
+    medium = entry["datasets"]["medium"]
+    assert int(cells["medium"][0].replace(",", "")) == medium["transitions"]
+    expected = 100 * (medium["mean_return"] - d4rl_lo) / (d4rl_hi - d4rl_lo)
+    assert float(cells["medium"][3]) == pytest.approx(expected, abs=0.051)
 
 
 def test_sac_update(generated):

@@ -6,12 +6,15 @@ of Decision Aaren (windowed, as trained; and streamed over the whole episode), m
 deviation over seeds (with one seed: over its evaluation episodes), our own normalised score
 (random = 0, our expert SAC policy = 100), and the milliseconds per environment step of each
 evaluation. ``--target data_best``: the same for the evaluations conditioned on the
-dataset's best episode return instead of CORL's target.
+dataset's best episode return instead of CORL's target. ``--manifest``: the generated data
+instead (the generator's ``manifest.json``): per environment the behaviour policies' returns
+and the datasets' sizes and mean returns, D4RL-normalised and own-normalised.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from examples.common import load_records  # noqa: E402
-from examples.offline_rl.configs import DATASETS, ENV_IDS  # noqa: E402
+from examples.offline_rl.configs import D4RL_REF, DATASETS, ENV_IDS  # noqa: E402
+from examples.offline_rl.evaluate import normalised  # noqa: E402
 
 COLUMNS = (("transformer", "window"), ("aaren", "window"), ("aaren", "stream"))
 HEADER = "Decision Transformer | Decision Aaren (window) | Decision Aaren (stream)"
@@ -71,12 +75,60 @@ def table(records: list[dict], target: str = "corl") -> str:
     return "\n".join(lines)
 
 
+def _data_row(name, transitions, episodes, ret: float, ref, own) -> str:
+    return (
+        f"| {name} | {transitions} | {episodes} | {ret:.1f} | {float(normalised(ret, ref)):.1f} "
+        f"| {float(normalised(ret, own)):.1f} |"
+    )
+
+
+def data_table(manifest: dict) -> str:
+    """Markdown tables of the generated data, one per environment in ``manifest``."""
+    out = []
+    for env in [e for e in ENV_IDS if e in manifest]:
+        m = manifest[env]
+        refs = D4RL_REF[env], (m["random_policy_return"], m["expert_policy_return"])
+        n_eval = m["config"]["eval_episodes"]
+        lines = [
+            f"{env} ({m['env_id']}; SAC for {m['config']['sac_steps']:,} environment steps, "
+            f"{m['sac_wall_s'] / 60:.1f} min)",
+            "",
+            f"| {env} | transitions | episodes | mean return | D4RL-normalised | own-normalised |",
+            "|---|---|---|---|---|---|",
+            _data_row("random policy", "-", n_eval, refs[1][0], *refs),
+            _data_row(
+                f"medium policy (snapshot at {m['medium_step']:,} steps)",
+                "-",
+                n_eval,
+                m["medium_policy_return"],
+                *refs,
+            ),
+            _data_row(
+                f"expert policy (snapshot at {m['expert_step']:,} steps)",
+                "-",
+                n_eval,
+                refs[1][1],
+                *refs,
+            ),
+        ]
+        for name in DATASETS:
+            d = m["datasets"][name]
+            lines.append(_data_row(name, f"{d['transitions']:,}", f"{d['episodes']:,}",
+                                   d["mean_return"], *refs))  # fmt: skip
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("results", nargs="?", default="results/offline_rl.json")
     p.add_argument("--target", default="corl", choices=["corl", "data_best"],
                    help="the return conditioned on: CORL's, or the dataset's best")  # fmt: skip
+    p.add_argument("--manifest", default=None, help="print the generated data's tables instead")
     args = p.parse_args(argv)
+    if args.manifest:
+        print(data_table(json.loads(Path(args.manifest).read_text())))  # the command's output
+        return
     print(table(load_records(args.results), args.target))  # the table is the command's output
 
 
