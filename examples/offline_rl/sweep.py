@@ -3,11 +3,12 @@
     python examples/offline_rl/sweep.py --results results/offline_rl.json
     python examples/offline_rl/sweep.py --envs hopper --datasets medium --seeds 0 --dry-run
 
-Records ``{"env", "dataset", "model", "seed", "eval", "score", "score_own", "return",
-"eval_episodes", "ms_per_env_step", "wall_s", ...}`` (``eval``: ``window`` for both models,
-and ``stream`` for Aaren) go to ``--results`` (default ``workdirs/offline_rl/results.json``;
-the committed table is ``results/offline_rl.json``). Runs already recorded are skipped; an
-interrupted run resumes from its checkpoints in its run folder (keyed by its configuration).
+Records ``{"env", "dataset", "model", "seed", "eval", "target", "score", "score_own",
+"return", "eval_episodes", "ms_per_env_step", "wall_s", ...}`` (``eval``: ``window`` for both
+models, and ``stream`` for Aaren; ``target``: ``corl`` or ``data_best``, ``train.targets``)
+go to ``--results`` (default ``workdirs/offline_rl/results.json``; the committed table is
+``results/offline_rl.json``). Runs already recorded are skipped; an interrupted run resumes
+from its checkpoints in its run folder (keyed by its configuration).
 Runs go seed-major and, within an environment and dataset, the Transformer then Aaren, so an
 interrupted sweep leaves complete pairs behind. Environments whose datasets are not generated
 yet are skipped with a message.
