@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -60,8 +61,28 @@ def cpu_model() -> str:
     return name or platform.machine()
 
 
+def transparent_hugepages() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``).
+
+    It decides what writing a fresh large array costs on CPU: XLA's buffers above glibc's
+    mmap threshold are new mappings each call, faulted in 4 KiB at a time unless huge pages
+    back them (``always``, or ``madvise`` with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``).
+    """
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else text.strip()
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far (``getrusage``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def machine_info() -> dict:
-    """What the figures were measured on."""
+    """What the figures were measured on, including what decides the cost of fresh memory."""
     try:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -76,6 +97,8 @@ def machine_info() -> dict:
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "platform": platform.platform(),
+        "transparent_hugepages": transparent_hugepages(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
 
 
@@ -114,8 +137,10 @@ def interleaved(variants: dict, rounds: int) -> dict:
     forward runs on ``inputs``, the forward+backward on ``(*inputs, extra)`` (a cotangent or
     a target). Each is compiled (time recorded) and warmed up once, then all are timed once
     per round, interleaved round by round so that every variant sees the same noise. Returns
-    ``{name: {kind: {"compile_s", "warmup_ms", "ms", "ms_per_round", "ratio_to_<first>"}}}``
-    with ``kind`` in ``forward``, ``forward_backward``; ratios are to the first variant.
+    ``{name: {kind: {"compile_s", "warmup_ms", "ms", "ms_per_round", "page_faults_per_call",
+    "ratio_to_<first>"}}}`` with ``kind`` in ``forward``, ``forward_backward``; ratios are to
+    the first variant. Page faults are the process's minor faults during the timed calls (a
+    fresh 4 KiB page touched for the first time), a count of memory newly mapped per call.
     """
     compiled, out = {}, {}
     for name, (fwd, bwd, inputs, g) in variants.items():
@@ -128,14 +153,18 @@ def interleaved(variants: dict, rounds: int) -> dict:
             compiled[name, kind] = (exe, args)
             out[name][kind] = {"compile_s": round(compile_s, 2), "warmup_ms": round(1e3 * warm, 1)}
     times = {key: [] for key in compiled}
+    faults = dict.fromkeys(compiled, 0)
     for _ in range(rounds):
         for key, (exe, args) in compiled.items():
+            before = page_faults()
             times[key].append(timed(exe, *args)[0])
+            faults[key] += page_faults() - before
     first = next(iter(variants))
     for (name, kind), ts in times.items():
         row = out[name][kind]
         row["ms"] = summary(ts, 1e3, 2)
         row["ms_per_round"] = [round(1e3 * t, 2) for t in ts]
+        row["page_faults_per_call"] = round(faults[name, kind] / rounds)
         if name != first:
             per_round = [t / f for t, f in zip(ts, times[first, kind], strict=True)]
             row[f"ratio_to_{first}"] = {

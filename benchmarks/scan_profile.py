@@ -19,12 +19,20 @@ Timed here, interleaved round by round (``_common.interleaved``, forward only):
 * ``kernel``: the whole forward, ``prefix_attention`` at the default method;
 * ``kernel_batch1``: the same number of tokens as one ``[1, H * B, N]`` batch (the shape a
   batch of one long sequence gives);
+* ``minimal_loop_strided`` and ``minimal_loop_contiguous``: the least a pass-2 loop can do
+  (each value read once, one multiply-add, each output written in place), in the kernel's
+  layout (each position a strided slice) and in a time-major one (each position
+  contiguous): what XLA's in-place loop costs by itself, the bound on any kernel built on it;
 * ``scores_from_keys`` and ``scores_folded``: the Aaren layer's scores from its input
   ``x`` [B, N, H * D], by forming the keys ``x W_k`` and reducing them against the query
   (the layer until 2026-11-24), and with the query folded into the key projection
   (``x (W_k q)``, the layer now).
 
-Each time is also given in "arrays": its median over the median of ``read_one``. Then facts
+Each time is also given in "arrays": its median over the median of ``read_one``, with the
+minor page faults per call (a value-sized array is ``pages_per_array`` 4 KiB pages: a call
+that faults that many per output maps its outputs afresh each time, which is what writing
+costs without huge pages; run once more with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` where
+``transparent_hugepages`` is ``madvise`` to see the kernel without that cost). Then facts
 from the compiled forward: how many fusions write in place (``dynamic-update-slice``) and
 how many of those XLA's CPU backend splits across threads (``outer_dimension_partitions``;
 XLA never splits an in-place update, so pass 2's output writes run on one core), and whether
@@ -34,6 +42,7 @@ the output buffer is zero-filled first. Writes ``results/scan_profile_<backend>.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 
@@ -65,6 +74,25 @@ def pass1(scores, values):
     )
 
 
+def minimal_loop(score_blocks, value_blocks, axis: int):
+    """The least a pass-2 loop can do: each value read once, one multiply-add into a carry,
+    each output written once in place, over the positions on ``axis``.
+
+    ``axis=2``: the kernel's layout, scores [B', N, C] and values [B', N, C, D], each
+    position a strided slice; ``axis=0``: [C, B', N(, D)], each position contiguous. No scan
+    arithmetic: what XLA's in-place loop costs by itself on this machine.
+    """
+    take = functools.partial(jax.lax.dynamic_index_in_dim, axis=axis, keepdims=False)
+
+    def position(c, carry):
+        acc, out = carry
+        acc = acc * 0.5 + jnp.exp(take(score_blocks, c))[..., None] * take(value_blocks, c)
+        return acc, jax.lax.dynamic_update_index_in_dim(out, acc, c, axis)
+
+    carry = (jnp.zeros_like(take(value_blocks, 0)), jnp.zeros_like(value_blocks))
+    return jax.lax.fori_loop(0, score_blocks.shape[axis], position, carry)[1]
+
+
 def variants(batch: int, heads: int, length: int, dim: int) -> dict:
     keys = jax.random.split(jax.random.key(length), 3)
     scores = jax.random.normal(keys[0], (batch, heads, length)) * 2
@@ -72,6 +100,9 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
     other = jax.random.normal(keys[2], (batch, heads, length, dim))
     flat_scores = scores.reshape(batch * heads, length)
     flat_values = values.reshape(batch * heads, length, dim)
+    chunk = _pick_chunk(length, aj.scan.DEFAULT_CHUNK_SIZE)
+    score_blocks = flat_scores.reshape(-1, length // chunk, chunk)
+    value_blocks = flat_values.reshape(-1, length // chunk, chunk, dim)
 
     def kernel(s, v):
         return aj.prefix_attention(s, v)[0]
@@ -95,6 +126,14 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
         "pass1": (pass1, (flat_scores, flat_values)),
         "kernel": (kernel, (scores, values)),
         "kernel_batch1": (kernel, (flat_scores[None], flat_values[None])),
+        "minimal_loop_strided": (
+            functools.partial(minimal_loop, axis=2),
+            (score_blocks, value_blocks),
+        ),
+        "minimal_loop_contiguous": (
+            functools.partial(minimal_loop, axis=0),
+            (jnp.moveaxis(score_blocks, -1, 0), jnp.moveaxis(value_blocks, -2, 0)),
+        ),
         "scores_from_keys": (scores_from_keys, (x, key_kernel)),
         "scores_folded": (scores_folded, (x, key_kernel)),
     }
@@ -158,7 +197,11 @@ def main() -> None:
                 "ms_per_round": t["ms_per_round"],
                 "arrays": round(t["ms"]["median"] / one_array, 2),
                 "x_floor": round(t["ms"]["median"] / forward["floor"]["ms"]["median"], 2),
+                "page_faults_per_call": t["page_faults_per_call"],
             }
+        # 4 KiB pages in one value-sized array: a call faulting this many maps each output
+        # afresh (the cost of "writing" on a machine without huge pages)
+        row["pages_per_array"] = args.batch * args.heads * length * args.dim * 4 // 4096
         row["pass2_and_zero_fill_ms"] = round(
             forward["kernel"]["ms"]["median"] - forward["pass1"]["ms"]["median"], 2
         )

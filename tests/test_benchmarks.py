@@ -128,3 +128,35 @@ def test_scan_profile_score_variants_agree():
     kernel_fn, _, args, _ = table["kernel"]
     flat_fn, _, flat_args, _ = table["kernel_batch1"]
     np.testing.assert_allclose(flat_fn(*flat_args)[0], kernel_fn(*args).reshape(4, 16, 4))
+
+
+def test_scan_profile_minimal_loops_compute_their_recurrence(key):
+    import scan_profile
+
+    k1, k2 = jax.random.split(key)
+    scores = jax.random.normal(k1, (2, 3, 4))  # [B', N, C]
+    values = jax.random.normal(k2, (2, 3, 4, 5))
+    s, v = np.asarray(scores), np.asarray(values)
+    acc, want = np.zeros((2, 3, 5)), np.zeros((2, 3, 4, 5))
+    for c in range(4):  # acc_c = acc_{c-1} / 2 + exp(s_c) v_c, written at c
+        acc = acc * 0.5 + np.exp(s[:, :, c])[..., None] * v[:, :, c]
+        want[:, :, c] = acc
+    strided = scan_profile.minimal_loop(scores, values, axis=2)
+    contiguous = scan_profile.minimal_loop(
+        jnp.moveaxis(scores, -1, 0), jnp.moveaxis(values, -2, 0), axis=0
+    )
+    np.testing.assert_allclose(strided, want, rtol=1e-5)
+    np.testing.assert_allclose(jnp.moveaxis(contiguous, 0, -2), want, rtol=1e-5)
+
+
+def test_machine_info_records_what_fresh_memory_costs(monkeypatch):
+    import _common
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    info = _common.machine_info()
+    assert info["glibc_tunables"] == "glibc.malloc.hugetlb=1"
+    assert info["transparent_hugepages"] in (None, "always", "madvise", "never")
+    assert info["cpu_count"] >= 1 and info["cpu_model"]
+    before = _common.page_faults()
+    np.ones(1 << 22).sum()  # 32 MiB touched for the first time
+    assert _common.page_faults() > before
