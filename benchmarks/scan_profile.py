@@ -28,15 +28,19 @@ Timed here, interleaved round by round (``_common.interleaved``, forward only):
   (the layer until 2026-11-24), and with the query folded into the key projection
   (``x (W_k q)``, the layer now).
 
-Each time is also given in "arrays": its median over the median of ``read_one``, with the
-minor page faults per call (a value-sized array is ``pages_per_array`` 4 KiB pages: a call
-that faults that many per output maps its outputs afresh each time, which is what writing
-costs without huge pages; run once more with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` where
-``transparent_hugepages`` is ``madvise`` to see the kernel without that cost). Then facts
-from the compiled forward: how many fusions write in place (``dynamic-update-slice``) and
-how many of those XLA's CPU backend splits across threads (``outer_dimension_partitions``;
-XLA never splits an in-place update, so pass 2's output writes run on one core), and whether
-the output buffer is zero-filled first. Writes ``results/scan_profile_<backend>.json``.
+Each time is given in "arrays" (its median over the median of ``read_one``) with the minor
+page faults per call: a value-sized array is ``pages_per_array`` 4 KiB pages, and a call that
+faults that many per output maps its outputs afresh each time, which is what writing costs
+without huge pages (run once more with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` where
+``transparent_hugepages`` is ``madvise`` to see the kernel without that cost).
+
+Then ``paired``: the default kernel against its floors (those of ``benchmarks/scan.py``),
+forward and forward+backward, interleaved round by round, with the ratio of the medians and
+its per-round minimum, median and maximum. Last, facts from the compiled forward: how many
+fusions write in place (``dynamic-update-slice``) and how many of those XLA's CPU backend
+splits across threads (``outer_dimension_partitions``; XLA never splits an in-place update,
+so pass 2's output writes run on one core), and whether the output buffer is zero-filled
+first. Writes ``results/scan_profile_<backend>.json``.
 """
 
 from __future__ import annotations
@@ -140,6 +144,51 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
     return {name: (*_forward_only(fn), args, args[0]) for name, (fn, args) in table.items()}
 
 
+def paired(batch: int, heads: int, length: int, dim: int, rounds: int) -> dict:
+    """The default kernel against its floors, forward and forward+backward, interleaved.
+
+    Floors as in ``benchmarks/scan.py``: forward ``a * b + a``; forward+backward the gradient
+    of ``sum((a * b + a) * c)`` with respect to ``a`` and ``b``. The kernel's
+    forward+backward is the gradient of ``sum(outputs * g)`` with respect to scores and values.
+    """
+    keys = jax.random.split(jax.random.key(length + 1), 4)
+    scores = jax.random.normal(keys[0], (batch, heads, length)) * 2
+    values = jax.random.normal(keys[1], (batch, heads, length, dim))
+    other = jax.random.normal(keys[2], (batch, heads, length, dim))
+    cotangent = jax.random.normal(keys[3], (batch, heads, length, dim))
+
+    def floor(a, b):
+        return a * b + a
+
+    def floor_grad(a, b, c):
+        return jax.grad(lambda a, b: jnp.sum(floor(a, b) * c), argnums=(0, 1))(a, b)
+
+    def kernel(s, v):
+        return aj.prefix_attention(s, v)[0]
+
+    def kernel_grad(s, v, g):
+        return jax.grad(lambda s, v: jnp.sum(kernel(s, v) * g), argnums=(0, 1))(s, v)
+
+    timings = interleaved(
+        {
+            "floor": (floor, floor_grad, (values, other), cotangent),
+            "kernel": (kernel, kernel_grad, (scores, values), cotangent),
+        },
+        rounds,
+    )
+    return {
+        kind: {
+            "floor_ms": timings["floor"][kind]["ms"],
+            "kernel_ms": timings["kernel"][kind]["ms"],
+            "kernel_over_floor": timings["kernel"][kind]["ratio_to_floor"],
+            "page_faults_per_call": {
+                name: timings[name][kind]["page_faults_per_call"] for name in timings
+            },
+        }
+        for kind in ("forward", "forward_backward")
+    }
+
+
 def compiled_facts(batch: int, heads: int, length: int, dim: int) -> dict:
     """In-place fusions of the compiled forward, and which of them XLA splits across threads."""
     scores = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
@@ -205,9 +254,13 @@ def main() -> None:
         row["pass2_and_zero_fill_ms"] = round(
             forward["kernel"]["ms"]["median"] - forward["pass1"]["ms"]["median"], 2
         )
+        row["paired"] = paired(args.batch, args.heads, length, args.dim, rounds)
         row["compiled"] = compiled_facts(args.batch, args.heads, length, args.dim)
         rows.append(row)
         summary_line = ", ".join(f"{k} {row[k]['x_floor']}x" for k in forward)
+        summary_line += "; paired kernel / floor " + ", ".join(
+            f"{kind} {t['kernel_over_floor']['of_medians']}x" for kind, t in row["paired"].items()
+        )
         print(f"N={length}: {summary_line}", file=sys.stderr)
 
     result = {
