@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,6 +101,18 @@ def machine_info() -> dict:
         "transparent_hugepages": transparent_hugepages(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
+
+
+def floor_forward(a, b):
+    """The scan's forward floor: elementwise work over two value-sized arrays (reads 2,
+    writes 1), the least any kernel producing value-sized outputs from them must move."""
+    return a * b + a
+
+
+def floor_forward_backward(a, b, c):
+    """The scan's forward+backward floor: the gradient of ``sum(floor_forward(a, b) * c)``
+    with respect to ``a`` and ``b``."""
+    return jax.grad(lambda a, b: jnp.sum(floor_forward(a, b) * c), argnums=(0, 1))(a, b)
 
 
 def tree_bytes(tree) -> int:

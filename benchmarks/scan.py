@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _common import add_shape_args, machine_info
+from _common import add_shape_args, floor_forward, floor_forward_backward, machine_info
 
 import aaren_jax as aj
 
@@ -56,14 +56,8 @@ def bench_length(length, batch, heads, dim, repeats, methods):
     values = jax.random.normal(keys[1], (batch, heads, length, dim))
     cotangent = jax.random.normal(keys[2], (batch, heads, length, dim))
 
-    floor_fwd = _measure(lambda a, b: a * b + a, values, cotangent, repeats=repeats)
-    floor_bwd = _measure(
-        jax.grad(lambda a, b, c: jnp.sum((a * b + a) * c), argnums=(0, 1)),
-        values,
-        cotangent,
-        values,
-        repeats=repeats,
-    )
+    floor_fwd = _measure(floor_forward, values, cotangent, repeats=repeats)
+    floor_bwd = _measure(floor_forward_backward, values, cotangent, values, repeats=repeats)
     row = {"N": length, "floor_forward": floor_fwd, "floor_forward_backward": floor_bwd}
     for method in methods:
 

@@ -52,7 +52,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _common import REPO, add_shape_args, interleaved, machine_info, write_json
+from _common import (
+    REPO,
+    add_shape_args,
+    floor_forward,
+    floor_forward_backward,
+    interleaved,
+    machine_info,
+    write_json,
+)
 
 import aaren_jax as aj
 from aaren_jax.scan import _block_starts, _pick_chunk, resolve_method
@@ -124,7 +132,7 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
         return jnp.matmul(x, jnp.einsum("ihd,hd->ih", w.reshape(d_model, heads, dim), query))
 
     table = {
-        "floor": (lambda a, b: a * b + a, (values, other)),
+        "floor": (floor_forward, (values, other)),
         "read_one": (lambda v: jnp.sum(v, axis=-1), (values,)),
         "write_one": (lambda s: jnp.broadcast_to(s[..., None], values.shape) * 2.0, (scores,)),
         "pass1": (pass1, (flat_scores, flat_values)),
@@ -147,8 +155,8 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
 def paired(batch: int, heads: int, length: int, dim: int, rounds: int) -> dict:
     """The default kernel against its floors, forward and forward+backward, interleaved.
 
-    Floors as in ``benchmarks/scan.py``: forward ``a * b + a``; forward+backward the gradient
-    of ``sum((a * b + a) * c)`` with respect to ``a`` and ``b``. The kernel's
+    Floors: ``_common.floor_forward`` and ``floor_forward_backward`` (as in
+    ``benchmarks/scan.py``). The kernel's
     forward+backward is the gradient of ``sum(outputs * g)`` with respect to scores and values.
     """
     keys = jax.random.split(jax.random.key(length + 1), 4)
@@ -156,12 +164,6 @@ def paired(batch: int, heads: int, length: int, dim: int, rounds: int) -> dict:
     values = jax.random.normal(keys[1], (batch, heads, length, dim))
     other = jax.random.normal(keys[2], (batch, heads, length, dim))
     cotangent = jax.random.normal(keys[3], (batch, heads, length, dim))
-
-    def floor(a, b):
-        return a * b + a
-
-    def floor_grad(a, b, c):
-        return jax.grad(lambda a, b: jnp.sum(floor(a, b) * c), argnums=(0, 1))(a, b)
 
     def kernel(s, v):
         return aj.prefix_attention(s, v)[0]
@@ -171,7 +173,7 @@ def paired(batch: int, heads: int, length: int, dim: int, rounds: int) -> dict:
 
     timings = interleaved(
         {
-            "floor": (floor, floor_grad, (values, other), cotangent),
+            "floor": (floor_forward, floor_forward_backward, (values, other), cotangent),
             "kernel": (kernel, kernel_grad, (scores, values), cotangent),
         },
         rounds,

@@ -160,3 +160,13 @@ def test_machine_info_records_what_fresh_memory_costs(monkeypatch):
     before = _common.page_faults()
     np.ones(1 << 22).sum()  # 32 MiB touched for the first time
     assert _common.page_faults() > before
+
+
+def test_scan_floors_are_the_elementwise_work_and_its_gradient(key):
+    import _common
+
+    a, b, c = jax.random.normal(key, (3, 2, 5, 4))
+    np.testing.assert_allclose(_common.floor_forward(a, b), a * b + a, rtol=1e-6)
+    grad_a, grad_b = _common.floor_forward_backward(a, b, c)
+    np.testing.assert_allclose(grad_a, (b + 1) * c, rtol=1e-5, atol=1e-6)  # d/da sum((ab+a)c)
+    np.testing.assert_allclose(grad_b, a * c, rtol=1e-5, atol=1e-6)
