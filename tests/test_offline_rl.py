@@ -1,6 +1,7 @@
 """The offline-RL example: data round trip, SAC, Decision Transformer / Aaren, streaming, resume."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,19 @@ def test_sac_resume_gives_the_same_agent(tmp_path):
         resumed["state"],
     )
     assert straight["snapshot_returns"] == resumed["snapshot_returns"]
+
+
+def test_report_keeps_only_the_seeds_asked_for(tmp_path, capsys):
+    def record(seed, score):
+        return {"env": "hopper", "dataset": "medium", "model": "transformer", "seed": seed,
+                "eval": "window", "target": "corl", "score": score, "score_std": 0.5,
+                "score_own": score, "ms_per_env_step": 1.0}  # fmt: skip
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps([record(0, 10.0), record(1, 20.0), record(2, 90.0)]))
+    report.main([str(path), "--seeds", "0", "1"])
+    row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper"))
+    assert "15.0 ± 5.0 (2 seeds)" in row  # seed 2's 90 left out
+    report.main([str(path)])
+    row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper"))
+    assert "40.0 ± 35.6 (3 seeds)" in row

@@ -125,11 +125,16 @@ def main(argv=None) -> None:
     p.add_argument("--target", default="corl", choices=["corl", "data_best"],
                    help="the return conditioned on: CORL's, or the dataset's best")  # fmt: skip
     p.add_argument("--manifest", default=None, help="print the generated data's tables instead")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="only these seeds (default: all recorded)")  # fmt: skip
     args = p.parse_args(argv)
     if args.manifest:
         print(data_table(json.loads(Path(args.manifest).read_text())))  # the command's output
         return
-    print(table(load_records(args.results), args.target))  # the table is the command's output
+    records = load_records(args.results)
+    if args.seeds is not None:
+        records = [r for r in records if r["seed"] in args.seeds]
+    print(table(records, args.target))  # the table is the command's output
 
 
 if __name__ == "__main__":
