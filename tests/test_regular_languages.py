@@ -133,6 +133,20 @@ def test_tables_separate_default_runs_from_ablations():
     assert sweep.chosen_table(records) == ""
     chosen = {**rec("rsa_transformer", "none", 0.7), "rsa_case": "IV"}
     assert "IV: 1.00 / 0.70 (n=1)" in sweep.chosen_table([*records, chosen])
+    # a later stage changed the choice: one entry per case, the current choice first
+    rechosen = {**rec("rsa_transformer", "none", 0.9), "rsa_case": "IV+mu0"}
+    select = [
+        {"language": "d2", "model": "rsa_transformer", "name": n, "val": v}
+        for n, v in (("IV", 0.5), ("IV+mu0", 0.8))
+    ]
+
+    def d2_cell(*args):
+        return next(ln for ln in sweep.chosen_table(*args).splitlines() if ln.startswith("| d2"))
+
+    cell = d2_cell([*records, chosen, rechosen], select)
+    assert "IV+mu0: 1.00 / 0.90 (n=1); IV: 1.00 / 0.70 (n=1)" in cell
+    cell = d2_cell([*records, chosen, rechosen])
+    assert "IV: 1.00 / 0.70 (n=1); IV+mu0: 1.00 / 0.90 (n=1)" in cell
     d2_row = next(line for line in sweep.table([chosen]).splitlines() if line.startswith("| d2"))
     assert d2_row.count("pending") == len(train.MODELS)  # not a Case III run
 

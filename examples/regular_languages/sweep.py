@@ -139,8 +139,13 @@ def _is_default(record: dict) -> bool:
     )
 
 
-def chosen_table(records: list[dict]) -> str:
-    """Markdown: the RSA models at the configuration chosen on validation (``rsa_case``)."""
+def chosen_table(records: list[dict], selection: list[dict] | None = None) -> str:
+    """Markdown: the RSA models at the configurations chosen on validation (``rsa_case``).
+
+    A (language, model) run at more than one case (a later selection stage changed the
+    choice) gets one entry per case, never one mean over both: the current choice of
+    ``selection`` (``select_rsa.py``'s records) first when given, else in recording order.
+    """
     records = [r for r in _unique(records) if r.get("rsa_case") is not None]
     if not records:
         return ""
@@ -151,7 +156,13 @@ def chosen_table(records: list[dict]) -> str:
         cells = []
         for m in models:
             mine = [r for r in records if r["language"] == lang and r["model"] == m]
-            cells.append(f"{mine[0]['rsa_case']}: {_cell(mine)}" if mine else "not run")
+            cases = list(dict.fromkeys(r["rsa_case"] for r in mine))
+            best = selection and select_rsa.chosen(selection, lang, m)
+            if best and best["name"] in cases:
+                cases.remove(best["name"])
+                cases.insert(0, best["name"])
+            entries = [f"{c}: {_cell([r for r in mine if r['rsa_case'] == c])}" for c in cases]
+            cells.append("; ".join(entries) if entries else "not run")
         lines.append(f"| {lang} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -221,7 +232,8 @@ def main(argv=None) -> None:
     if args.table:  # read-only: the committed table unless another file is named
         records = load_records(args.results or COMMITTED)
         print(table(records))
-        chosen = chosen_table(records)
+        selection = None if args.selection is None else load_records(args.selection)
+        chosen = chosen_table(records, selection)
         if chosen:
             print("\nRSA at the configuration chosen on validation (select_rsa.py):\n")
             print(chosen)
