@@ -65,10 +65,11 @@ def test_sweep_skips_done_runs():
     assert ("parity", "aaren", 0, "none", None) in ablation and len(ablation) == 8
 
 
-def _selection_record(language, model, name, val):
+def _selection_record(language, model, name, val, seed=0):
     fields = select_rsa.CASES[name]
     return dict(
-        language=language, model=model, name=name, val=val, mu_init=1.0, learning_rate=0.005,
+        language=language, model=model, name=name, seed=seed, val=val, mu_init=1.0,
+        learning_rate=0.005,
         rsa_counts=list(fields["rsa_counts"]), rsa_dilations=list(fields["rsa_dilations"]),
     )  # fmt: skip
 
@@ -109,6 +110,13 @@ def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
         sweep.pending_runs(parity, set(), records)
     with pytest.raises(SystemExit, match="not tried every case for d4/rsa_aaren"):
         sweep.pending_runs(args, done, records[1:])  # Case III missing: no choice yet
+    # more seeds of the cases: only configurations with the most seeds compete, on their mean
+    for seed, (val_iii, val_ii) in enumerate([(0.80, 0.10), (0.70, 0.20)], start=1):
+        records.append(_selection_record("d4", "rsa_aaren", "III", val_iii, seed))
+        records.append(_selection_record("d4", "rsa_aaren", "II", val_ii, seed))
+    best = select_rsa.chosen(records, "d4", "rsa_aaren")
+    assert (best["name"], best["seeds"]) == ("III", [0, 1, 2])
+    assert best["val"] == pytest.approx((0.90 + 0.80 + 0.70) / 3)  # II: (0.95 + 0.1 + 0.2) / 3
 
 
 def test_tables_separate_default_runs_from_ablations():
@@ -136,7 +144,7 @@ def test_tables_separate_default_runs_from_ablations():
     # a later stage changed the choice: one entry per case, the current choice first
     rechosen = {**rec("rsa_transformer", "none", 0.9), "rsa_case": "IV+mu0"}
     select = [
-        {"language": "d2", "model": "rsa_transformer", "name": n, "val": v}
+        {"language": "d2", "model": "rsa_transformer", "name": n, "seed": 0, "val": v}
         for n, v in (("IV", 0.5), ("IV+mu0", 0.8))
     ]
 

@@ -8,13 +8,16 @@ The validation split is the training strings of the longest fifth of the trainin
 (``data.validation_lengths``: 42-50 for Parity and Tomita, 82-100 for D_n), held out of
 training; bin 1 is never used. Stage 1 tries the RSA paper's Table 2 cases I-IV (the
 dilated heads of II and IV dilated by 2); stage 2 varies ``mu_init`` and the learning rate
-around each (language, model)'s stage-1 choice. Every run is seed 0 at the paper's
-protocol otherwise. One record per run (``{"language", "model", "name", "val", "bin0",
-"bin1", "rsa_counts", "rsa_dilations", "mu_init", "learning_rate", ...}``) goes to
-``--results`` (default ``results/regular_languages_selection.json``); runs already there are
-skipped. The choice per (language, model) is the highest validation exact match; ties go
-to the earlier entry (Case III, the a-priori default, first). bin0 and bin1 are recorded
-but never used to choose. ``sweep.py --selection`` then runs the chosen configurations.
+around each (language, model)'s stage-1 choice. Runs are seed 0 (``--seeds`` adds more; a
+seed draws the data, the parameters and the batch order) at the paper's protocol otherwise.
+One record per run (``{"language", "model", "name", "seed", "val", "bin0", "bin1",
+"rsa_counts", "rsa_dilations", "mu_init", "learning_rate", ...}``) goes to ``--results``
+(default ``results/regular_languages_selection.json``); runs already there are skipped.
+The choice per (language, model) is the highest mean validation exact match over a
+configuration's seeds, among the configurations run with the most seeds (a 3-seed mean is
+not ranked against one seed's luck); ties go to the earlier entry (Case III, the a-priori
+default, first). bin0 and bin1 are recorded but never used to choose. ``sweep.py
+--selection`` then runs the chosen configurations.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--languages", nargs="+", default=list(data.LANGUAGES))
     p.add_argument("--models", nargs="+", default=list(RSA_MODELS), choices=RSA_MODELS)
     p.add_argument("--stage", type=int, default=1, choices=(1, 2))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--results", default=str(DEFAULT_RESULTS))
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
     p.add_argument("--show", action="store_true", help="print the choices and exit")
@@ -62,10 +66,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def chosen(records: list[dict], language: str, model: str) -> dict | None:
-    """The best (highest ``val``, earliest on ties) record of (language, model), if any."""
-    mine = [r for r in records if r["language"] == language and r["model"] == model]
-    ranked = sorted(mine, key=lambda r: _grid_position(r["name"]))
-    return max(ranked, key=lambda r: r["val"]) if ranked else None  # max keeps the first
+    """The chosen configuration of (language, model), if any has run.
+
+    Returns the configuration's first record with ``val`` replaced by the mean over its
+    seeds and ``seeds`` added. Only the configurations run with the most seeds compete;
+    among them the highest mean wins, the earliest in the grid on ties.
+    """
+    vals: dict[str, dict[int, float]] = {}
+    first: dict[str, dict] = {}
+    for r in records:
+        if r["language"] == language and r["model"] == model:
+            vals.setdefault(r["name"], {})[r["seed"]] = r["val"]
+            first.setdefault(r["name"], r)
+    if not vals:
+        return None
+    most = max(len(seeds) for seeds in vals.values())
+    ranked = sorted((n for n in vals if len(vals[n]) == most), key=_grid_position)
+    best = max(ranked, key=lambda n: sum(vals[n].values()) / most)  # max keeps the first
+    return {**first[best], "val": sum(vals[best].values()) / most, "seeds": sorted(vals[best])}
 
 
 def _grid_position(name: str) -> tuple:
@@ -103,31 +121,35 @@ def main(argv=None) -> None:
             for model in args.models:
                 best = chosen(records, lang, model)
                 if best is not None:
-                    print(lang, model, best["name"], f"val {best['val']:.4f}", overrides(best))
+                    seeds = f"seeds {best['seeds']}"
+                    print(
+                        lang, model, best["name"], f"val {best['val']:.4f}", seeds, overrides(best)
+                    )
         return
-    done = {(r["language"], r["model"], r["name"]) for r in records}
+    done = {(r["language"], r["model"], r["name"], r["seed"]) for r in records}
     runs = [
-        (lang, model, name, fields)
+        (lang, model, name, seed, fields)
         for lang in args.languages
+        for seed in args.seeds
         for model in args.models
         for name, fields in candidates(records, lang, model, args.stage).items()
-        if (lang, model, name) not in done
+        if (lang, model, name, seed) not in done
     ]
     logging.info("%d runs pending", len(runs))
     if args.dry_run:
-        for lang, model, name, _ in runs:
-            print(lang, model, name)
+        for lang, model, name, seed, _ in runs:
+            print(lang, model, name, f"seed {seed}")
         return
-    cache: dict[str, dict] = {}
-    for lang, model, name, fields in runs:
-        if lang not in cache:
+    cache: dict[tuple[str, int], dict] = {}
+    for lang, model, name, seed, fields in runs:
+        if (lang, seed) not in cache:
             cache.clear()
-            cache[lang] = data.make_datasets(lang, 0, validation=True)
-        cfg = train.Config(language=lang, model=model, seed=0, **fields)
-        record = train.train_and_evaluate(cfg, datasets=cache[lang])
+            cache[(lang, seed)] = data.make_datasets(lang, seed, validation=True)
+        cfg = train.Config(language=lang, model=model, seed=seed, **fields)
+        record = train.train_and_evaluate(cfg, datasets=cache[(lang, seed)])
         record.update(name=name, learning_rate=cfg.learning_rate)
         append_record(args.results, record)
-        logging.info("%s/%s/%s val %.4f", lang, model, name, record["val"])
+        logging.info("%s/%s/%s/seed%d val %.4f", lang, model, name, seed, record["val"])
 
 
 if __name__ == "__main__":
