@@ -117,6 +117,10 @@ def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
     best = select_rsa.chosen(records, "d4", "rsa_aaren")
     assert (best["name"], best["seeds"]) == ("III", [0, 1, 2])
     assert best["val"] == pytest.approx((0.90 + 0.80 + 0.70) / 3)  # II: (0.95 + 0.1 + 0.2) / 3
+    # Case III at the default mu_init and learning rate is train.Config's own configuration:
+    # the default run is its run, not one to repeat under the case's name
+    assert select_rsa.is_default(best) and not select_rsa.is_default(records[3])
+    assert sweep.pending_runs(args, done, records) == [("d4", "aaren", 0, "sinusoidal", None)]
 
 
 def test_tables_separate_default_runs_from_ablations():
@@ -144,8 +148,8 @@ def test_tables_separate_default_runs_from_ablations():
     # a later stage changed the choice: one entry per case, the current choice first
     rechosen = {**rec("rsa_transformer", "none", 0.9), "rsa_case": "IV+mu0"}
     select = [
-        {"language": "d2", "model": "rsa_transformer", "name": n, "seed": 0, "val": v}
-        for n, v in (("IV", 0.5), ("IV+mu0", 0.8))
+        _selection_record("d2", "rsa_transformer", "IV", 0.5),
+        {**_selection_record("d2", "rsa_transformer", "IV", 0.8), "name": "IV+mu0", "mu_init": 0.0},
     ]
 
     def d2_cell(*args):
@@ -155,6 +159,11 @@ def test_tables_separate_default_runs_from_ablations():
     assert "IV+mu0: 1.00 / 0.90 (n=1); IV: 1.00 / 0.70 (n=1)" in cell
     cell = d2_cell([*records, chosen, rechosen])
     assert "IV: 1.00 / 0.70 (n=1); IV+mu0: 1.00 / 0.90 (n=1)" in cell
+    # Case III chosen: the default runs (rsa_case None, default positions) under its name
+    select.append(_selection_record("d2", "rsa_transformer", "III", 0.9))
+    select[1]["val"] = 0.0
+    cell = d2_cell([*records, chosen, rechosen], select)
+    assert "| III: 1.00 / 1.00 (n=1); IV: 1.00 / 0.70 (n=1); IV+mu0" in cell
     d2_row = next(line for line in sweep.table([chosen]).splitlines() if line.startswith("| d2"))
     assert d2_row.count("pending") == len(train.MODELS)  # not a Case III run
 

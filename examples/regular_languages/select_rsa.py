@@ -102,6 +102,13 @@ def overrides(record: dict) -> dict:
     }
 
 
+def is_default(record: dict) -> bool:
+    """Whether a selection record's configuration is ``train.Config``'s own (Case III, ``mu_init``
+    1, learning rate 0.005): the sweep's default runs are then that choice's runs."""
+    defaults = train.Config(language=record["language"], model=record["model"])
+    return all(getattr(defaults, k) == v for k, v in overrides(record).items())
+
+
 def candidates(records: list[dict], language: str, model: str, stage: int) -> dict[str, dict]:
     """The named configurations of a stage (stage 2 needs the stage-1 choice)."""
     if stage == 1:

@@ -145,26 +145,33 @@ def chosen_table(records: list[dict], selection: list[dict] | None = None) -> st
     A (language, model) run at more than one case (a later selection stage changed the
     choice) gets one entry per case, never one mean over both: the current choice of
     ``selection`` (``select_rsa.py``'s records) first when given, else in recording order.
+    A choice that is ``train.Config``'s own configuration shows the default runs under
+    its name.
     """
-    records = [r for r in _unique(records) if r.get("rsa_case") is not None]
-    if not records:
-        return ""
+    records = _unique(records)
     models = [m for m in train.MODELS if m.startswith("rsa_")]
     lines = ["| language | " + " | ".join(f"{m}: case, bin0 / bin1" for m in models) + " |"]
     lines.append("|" + "---|" * (len(models) + 1))
+    any_run = False
     for lang in data.LANGUAGES:
         cells = []
         for m in models:
             mine = [r for r in records if r["language"] == lang and r["model"] == m]
-            cases = list(dict.fromkeys(r["rsa_case"] for r in mine))
             best = selection and select_rsa.chosen(selection, lang, m)
+            if best and select_rsa.is_default(best):
+                runs = [{**r, "rsa_case": best["name"]} for r in mine if _is_default(r)]
+            else:
+                runs = []
+            runs += [r for r in mine if r.get("rsa_case") is not None]
+            cases = list(dict.fromkeys(r["rsa_case"] for r in runs))
             if best and best["name"] in cases:
                 cases.remove(best["name"])
                 cases.insert(0, best["name"])
-            entries = [f"{c}: {_cell([r for r in mine if r['rsa_case'] == c])}" for c in cases]
+            entries = [f"{c}: {_cell([r for r in runs if r['rsa_case'] == c])}" for c in cases]
             cells.append("; ".join(entries) if entries else "not run")
+            any_run = any_run or bool(entries)
         lines.append(f"| {lang} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) if any_run else ""
 
 
 def ablation_table(records: list[dict]) -> str:
@@ -201,7 +208,8 @@ def pending_runs(
     """The (language, model, seed, positional, rsa_case) runs not yet recorded, seed-major.
 
     ``selection``: ``select_rsa.py``'s records; the RSA models then take their language's
-    chosen configuration, named by ``rsa_case`` (None: ``train.Config``'s).
+    chosen configuration, named by ``rsa_case`` (None when the choice is ``train.Config``'s
+    own: the default runs are its runs).
     """
     runs = []
     for seed in args.seeds:
@@ -220,7 +228,8 @@ def pending_runs(
                             f"error: --selection has not tried every case for {lang}/{model} "
                             f"yet (tried: {sorted(tried)})"
                         )
-                    case = select_rsa.chosen(selection, lang, model)["name"]
+                    choice = select_rsa.chosen(selection, lang, model)
+                    case = None if select_rsa.is_default(choice) else choice["name"]
                 if (lang, model, seed, positional, case) not in done:
                     runs.append((lang, model, seed, positional, case))
     return runs
