@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.regular_languages import data, select_rsa, sweep, train
+from examples.regular_languages import data, seed_factors, select_rsa, sweep, train
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +224,17 @@ def test_analysis_profiles_errors_and_reads_the_rems(tiny_data):
     assert all(-1 < x < 1 for x in rems[0]["lambda"]) and all(0 < g < 1 for g in rems[0]["gamma"])
     right = analyze.predictions(trained[0], tiny_data["bin1"])
     assert right.all(axis=1).mean() == pytest.approx(record["bin1"])
+
+
+def test_seed_factors_grid_puts_data_seeds_in_rows():
+    def rec(data_seed, seed, val):
+        return dict(
+            language="parity", model="rsa_aaren", case="II", data_seed=data_seed, seed=seed,
+            val=val,
+        )  # fmt: skip
+
+    records = [rec(0, 0, 0.0), rec(0, 1, 0.25), rec(1, 0, 0.9), {**rec(1, 1, 0.5), "case": "I"}]
+    assert seed_factors.grid(records, "parity", "rsa_aaren", "II").splitlines()[2:] == [
+        "| 0 | 0.000 | 0.250 |",
+        "| 1 | 0.900 | - |",  # the Case I run is another grid's
+    ]
