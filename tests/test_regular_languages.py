@@ -238,3 +238,15 @@ def test_seed_factors_grid_puts_data_seeds_in_rows():
         "| 0 | 0.000 | 0.250 |",
         "| 1 | 0.900 | - |",  # the Case I run is another grid's
     ]
+
+
+def test_selection_keeps_one_validation_fraction_per_results_file(tmp_path, capsys):
+    results = tmp_path / "selection.json"
+    results.write_text(json.dumps([_selection_record("d4", "rsa_aaren", "III", 0.9)]))
+    argv = ["--results", str(results), "--languages", "d4", "--models", "rsa_aaren", "--dry-run"]
+    with pytest.raises(SystemExit, match="another file for 0.5"):
+        select_rsa.main([*argv, "--validation-fraction", "0.5"])
+    select_rsa.main(argv)  # the file's own fraction (0.2, the default): the other cases pend
+    assert capsys.readouterr().out.split("\n")[:3] == [
+        "d4 rsa_aaren I seed 0", "d4 rsa_aaren II seed 0", "d4 rsa_aaren IV seed 0",
+    ]  # fmt: skip

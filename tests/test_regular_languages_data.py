@@ -171,3 +171,17 @@ def test_validation_split_holds_the_longest_training_lengths_and_leaves_the_bins
     for split in ("bin0", "bin1"):
         np.testing.assert_array_equal(held[split].tokens, plain[split].tokens)
     assert held["val"].tokens.shape[1] == plain["train"].tokens.shape[1]  # padded to hi
+
+
+def test_validation_fraction_holds_out_the_upper_part_of_the_training_lengths():
+    assert rl.validation_lengths("d4", 0.5) == (52, 100)  # 49 of the 99 lengths 2-100
+    assert rl.validation_lengths("parity", 0.5) == (27, 50)
+    assert rl.validation_lengths("parity", 0.01) == (50, 50)  # at least one length
+    assert rl.validation_lengths("parity", 0.999) == (3, 50)  # length 2 stays in training
+    for bad in (0, 1, -0.5):
+        with pytest.raises(ValueError, match="fraction must lie in"):
+            rl.validation_lengths("parity", bad)
+    held = rl.make_datasets(
+        "parity", 3, train_size=400, test_size=50, validation=True, validation_fraction=0.5
+    )
+    assert held["val"].lengths.min() == 27 and held["train"].lengths.max() == 26

@@ -353,6 +353,7 @@ def make_datasets(
     test_size: int | None = None,
     target_mode: str = "legal",
     validation: bool = False,
+    validation_fraction: float = 0.2,
 ) -> dict[str, Split]:
     """Train, bin 0 and bin 1 of one language (RSA App. E.2), and a validation split.
 
@@ -363,10 +364,12 @@ def make_datasets(
       train_size: default the paper's (10K, or 5K for D_n).
       test_size: per bin; default the paper's (2K, or 1K for D_n).
       target_mode: ``"legal"`` or ``"repo"`` (see ``encode``).
-      validation: move the training strings of ``validation_lengths(name)`` (the longest
-        fifth of the training range) into a ``"val"`` split: model selection then measures
-        generalisation to longer strings without ever seeing bin 1. Bins 0 and 1 are the
-        same draw either way.
+      validation: move the training strings of ``validation_lengths(name,
+        validation_fraction)`` (the longest fifth of the training range by default) into a
+        ``"val"`` split: model selection then measures generalisation to longer strings
+        without ever seeing bin 1. Bins 0 and 1 are the same draw either way.
+      validation_fraction: the share of the training lengths, longest first, held out
+        (0.5: train on the lower half, validate on the upper, about bin 1's 2x).
 
     Returns:
       ``{"train", "bin0", "bin1"}`` (and ``"val"``); train, validation and bin 0 padded to
@@ -384,7 +387,7 @@ def make_datasets(
     train = pool[:train_size]
     splits = {}
     if validation:
-        v_lo, v_hi = validation_lengths(name)
+        v_lo, v_hi = validation_lengths(name, validation_fraction)
         held_out = [s for s in train if v_lo <= len(s) <= v_hi]
         train = [s for s in train if not v_lo <= len(s) <= v_hi]
         splits["val"] = encode(name, held_out, hi, target_mode=target_mode)
@@ -396,10 +399,14 @@ def make_datasets(
     }
 
 
-def validation_lengths(name: str) -> tuple[int, int]:
-    """The lengths of the validation split: the longest fifth of the training range."""
+def validation_lengths(name: str, fraction: float = 0.2) -> tuple[int, int]:
+    """The lengths of the validation split: the longest ``fraction`` of the training range
+    (rounded down, at least one length; the shortest length always stays in training)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must lie in (0, 1), got {fraction!r}")
     lo, hi = language_spec(name).train_lengths
-    return hi - (hi - lo + 1) // 5 + 1, hi
+    count = min(max(int((hi - lo + 1) * fraction), 1), hi - lo)
+    return hi - count + 1, hi
 
 
 def exact_match(predictions: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> np.ndarray:

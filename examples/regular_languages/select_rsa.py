@@ -6,7 +6,9 @@
 
 The validation split is the training strings of the longest fifth of the training lengths
 (``data.validation_lengths``: 42-50 for Parity and Tomita, 82-100 for D_n), held out of
-training; bin 1 is never used. Stage 1 tries the RSA paper's Table 2 cases I-IV (the
+training; bin 1 is never used. ``--validation-fraction 0.5`` holds out the upper half
+instead (27-50, 52-100), so that validation asks for about bin 1's 2x extrapolation; each
+fraction keeps its own ``--results`` file. Stage 1 tries the RSA paper's Table 2 cases I-IV (the
 dilated heads of II and IV dilated by 2); stage 2 varies ``mu_init`` and the learning rate
 around each (language, model)'s stage-1 choice. Runs are seed 0 (``--seeds`` adds more; a
 seed draws the data, the parameters and the batch order) at the paper's protocol otherwise.
@@ -59,6 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=list(RSA_MODELS), choices=RSA_MODELS)
     p.add_argument("--stage", type=int, default=1, choices=(1, 2))
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.2,
+        help="share of the training lengths held out, longest first (0.5: about bin 1's 2x); "
+        "one value per --results file",
+    )
     p.add_argument("--results", default=str(DEFAULT_RESULTS))
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
     p.add_argument("--show", action="store_true", help="print the choices and exit")
@@ -133,6 +142,12 @@ def main(argv=None) -> None:
                         lang, model, best["name"], f"val {best['val']:.4f}", seeds, overrides(best)
                     )
         return
+    fractions = {r.get("validation_fraction", 0.2) for r in records}
+    if fractions - {args.validation_fraction}:
+        raise SystemExit(
+            f"error: {args.results} holds choices made with validation_fraction "
+            f"{sorted(fractions)}; give --results another file for {args.validation_fraction}"
+        )
     done = {(r["language"], r["model"], r["name"], r["seed"]) for r in records}
     runs = [
         (lang, model, name, seed, fields)
@@ -151,10 +166,16 @@ def main(argv=None) -> None:
     for lang, model, name, seed, fields in runs:
         if (lang, seed) not in cache:
             cache.clear()
-            cache[(lang, seed)] = data.make_datasets(lang, seed, validation=True)
+            cache[(lang, seed)] = data.make_datasets(
+                lang, seed, validation=True, validation_fraction=args.validation_fraction
+            )
         cfg = train.Config(language=lang, model=model, seed=seed, **fields)
         record = train.train_and_evaluate(cfg, datasets=cache[(lang, seed)])
-        record.update(name=name, learning_rate=cfg.learning_rate)
+        record.update(
+            name=name,
+            learning_rate=cfg.learning_rate,
+            validation_fraction=args.validation_fraction,
+        )
         append_record(args.results, record)
         logging.info("%s/%s/%s/seed%d val %.4f", lang, model, name, seed, record["val"])
 
