@@ -345,6 +345,10 @@ def decode(name: str, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
     return [_to_string(alphabet, row[:n]) for row, n in zip(tokens, lengths, strict=True)]
 
 
+# The share of the training lengths, longest first, that a validation split holds out.
+DEFAULT_VALIDATION_FRACTION = 0.2
+
+
 def make_datasets(
     name: str,
     seed: int = 0,
@@ -353,7 +357,7 @@ def make_datasets(
     test_size: int | None = None,
     target_mode: str = "legal",
     validation: bool = False,
-    validation_fraction: float = 0.2,
+    validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> dict[str, Split]:
     """Train, bin 0 and bin 1 of one language (RSA App. E.2), and a validation split.
 
@@ -399,7 +403,7 @@ def make_datasets(
     }
 
 
-def validation_lengths(name: str, fraction: float = 0.2) -> tuple[int, int]:
+def validation_lengths(name: str, fraction: float = DEFAULT_VALIDATION_FRACTION) -> tuple[int, int]:
     """The lengths of the validation split: the longest ``fraction`` of the training range
     (rounded down, at least one length; the shortest length always stays in training)."""
     if not 0 < fraction < 1:

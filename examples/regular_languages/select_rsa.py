@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--validation-fraction",
         type=float,
-        default=0.2,
+        default=data.DEFAULT_VALIDATION_FRACTION,
         help="share of the training lengths held out, longest first (0.5: about bin 1's 2x); "
         "one value per --results file",
     )
@@ -142,7 +142,8 @@ def main(argv=None) -> None:
                         lang, model, best["name"], f"val {best['val']:.4f}", seeds, overrides(best)
                     )
         return
-    fractions = {r.get("validation_fraction", 0.2) for r in records}
+    # records from before the option have the default fraction
+    fractions = {r.get("validation_fraction", data.DEFAULT_VALIDATION_FRACTION) for r in records}
     if fractions - {args.validation_fraction}:
         raise SystemExit(
             f"error: {args.results} holds choices made with validation_fraction "
