@@ -158,11 +158,9 @@ def chosen_table(records: list[dict], selection: list[dict] | None = None) -> st
         for m in models:
             mine = [r for r in records if r["language"] == lang and r["model"] == m]
             best = selection and select_rsa.chosen(selection, lang, m)
+            runs = [r for r in mine if r.get("rsa_case") is not None]
             if best and select_rsa.is_default(best):
-                runs = [{**r, "rsa_case": best["name"]} for r in mine if _is_default(r)]
-            else:
-                runs = []
-            runs += [r for r in mine if r.get("rsa_case") is not None]
+                runs = [{**r, "rsa_case": best["name"]} for r in mine if _is_default(r)] + runs
             cases = list(dict.fromkeys(r["rsa_case"] for r in runs))
             if best and best["name"] in cases:
                 cases.remove(best["name"])
