@@ -89,9 +89,13 @@ def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
     stage2 = select_rsa.candidates(records, "d4", "rsa_aaren", stage=2)
     assert stage2["II+mu0"] == {
         "rsa_counts": (3, 0, 0, 2, 0, 0), "rsa_dilations": (2, 2), "mu_init": 0.0,
-        "learning_rate": 0.005,
+        "learning_rate": 0.005, "eta_range": (1.0, 2.0),
     }  # fmt: skip
+    assert stage2["II+eta2.5-3.5"]["eta_range"] == (2.5, 3.5)
     assert len(stage2) == len(select_rsa.VARIATIONS)
+    # the choice reaches the REMs that train builds
+    rem = train.Config(model="rsa_aaren", **stage2["II+eta2.5-3.5"]).rem_config()
+    assert rem.eta_range == (2.5, 3.5) and rem.counts == (3, 0, 0, 2, 0, 0)
     # a stage-2 variation that beats its case becomes the choice
     records.append({**_selection_record("d4", "rsa_aaren", "II", 0.99), "name": "II+lr0.01"})
     assert select_rsa.chosen(records, "d4", "rsa_aaren")["name"] == "II+lr0.01"
@@ -120,6 +124,7 @@ def test_selection_chooses_on_validation_and_the_sweep_runs_the_choice():
     # Case III at the default mu_init and learning rate is train.Config's own configuration:
     # the default run is its run, not one to repeat under the case's name
     assert select_rsa.is_default(best) and not select_rsa.is_default(records[3])
+    assert not select_rsa.is_default({**best, "eta_range": [2.5, 3.5]})
     assert sweep.pending_runs(args, done, records) == [("d4", "aaren", 0, "sinusoidal", None)]
 
 

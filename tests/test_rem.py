@@ -350,7 +350,28 @@ BAD_CONFIGS = [
     (dict(counts=(0, 0, 0, 1, 0, 0), dilations=0), ValueError, ">= 1"),
     (dict(max_power=0), ValueError, "max_power"),
     (dict(mu_init=4.0), ValueError, "mu_init"),
+    (dict(eta_range=(0.0, 1.0)), ValueError, "eta_range"),
+    (dict(eta_range=(2.0, 1.0)), ValueError, "eta_range"),
+    (dict(eta_range=(1.0, float("nan"))), ValueError, "eta_range"),
+    (dict(eta_range=(1.0,)), ValueError, "eta_range"),
+    (dict(eta_range=(True, 2.0)), ValueError, "eta_range"),
+    (dict(eta_range="12"), ValueError, "eta_range"),
 ]
+
+
+def test_eta_range_sets_the_initial_memories():
+    # the paper's (1, 2) by default; a wider range moves every regular head, types 1 and 4,
+    # keeping the alternating signs, and leaves the cyclical heads alone
+    counts = (3, 1, 0, 2, 0, 0)
+    default = rem.init_rem_params(rem.REMConfig(counts, dilations=2))
+    np.testing.assert_allclose(default["eta"], [1.0, -1.5, 2.0, 1.5, -1.5])
+    cfg = rem.REMConfig(counts, dilations=2, eta_range=[2.5, 3.5])
+    assert cfg.eta_range == (2.5, 3.5) and cfg == rem.REMConfig(counts, 2, eta_range=(2.5, 3.5))
+    p = rem.init_rem_params(cfg)
+    np.testing.assert_allclose(p["eta"], [2.5, -3.0, 3.5, 3.0, -3.0])
+    chex.assert_trees_all_equal(p["nu"], default["nu"])
+    lam = np.tanh(np.asarray(p["eta"], np.float64))
+    assert (np.abs(lam) > 0.98).all()
 
 
 @pytest.mark.parametrize("kwargs,error,match", BAD_CONFIGS)

@@ -9,8 +9,9 @@ The validation split is the training strings of the longest fifth of the trainin
 training; bin 1 is never used. ``--validation-fraction 0.5`` holds out the upper half
 instead (27-50, 52-100), so that validation asks for about bin 1's 2x extrapolation; each
 fraction keeps its own ``--results`` file. Stage 1 tries the RSA paper's Table 2 cases I-IV (the
-dilated heads of II and IV dilated by 2); stage 2 varies ``mu_init`` and the learning rate
-around each (language, model)'s stage-1 choice. Runs are seed 0 (``--seeds`` adds more; a
+dilated heads of II and IV dilated by 2); stage 2 varies ``mu_init``, the learning rate and
+(beyond the paper) the regular heads' initial ``|eta|`` around each (language, model)'s
+stage-1 choice. Runs are seed 0 (``--seeds`` adds more; a
 seed draws the data, the parameters and the batch order) at the paper's protocol otherwise.
 One record per run (``{"language", "model", "name", "seed", "val", "bin0", "bin1",
 "rsa_counts", "rsa_dilations", "mu_init", "learning_rate", ...}``) goes to ``--results``
@@ -50,6 +51,8 @@ VARIATIONS = {
     "mu2": {"mu_init": 2.0},
     "lr0.0025": {"learning_rate": 0.0025},
     "lr0.01": {"learning_rate": 0.01},
+    # beyond the paper: regular heads that start near a counter (|lambda| 0.987-0.998)
+    "eta2.5-3.5": {"eta_range": (2.5, 3.5)},
 }
 
 
@@ -108,12 +111,15 @@ def overrides(record: dict) -> dict:
         "rsa_dilations": tuple(record["rsa_dilations"]),
         "mu_init": record["mu_init"],
         "learning_rate": record["learning_rate"],
+        # records from before the option have the paper's range
+        "eta_range": tuple(record.get("eta_range") or train.Config.eta_range),
     }
 
 
 def is_default(record: dict) -> bool:
     """Whether a selection record's configuration is ``train.Config``'s own (Case III, ``mu_init``
-    1, learning rate 0.005): the sweep's default runs are then that choice's runs."""
+    1, learning rate 0.005, ``eta_range`` (1, 2)): the sweep's default runs are then that
+    choice's runs."""
     defaults = train.Config(language=record["language"], model=record["model"])
     return all(getattr(defaults, k) == v for k, v in overrides(record).items())
 

@@ -70,6 +70,7 @@ class Config:
     rsa_counts: tuple[int, ...] = (3, 1, 1, 0, 0, 0)  # (k1..k6): the paper's Case III
     rsa_dilations: tuple[int, ...] = ()  # dilations of the k4 + k5 + k6 dilated heads
     mu_init: float = 1.0  # initial gate parameter (paper: in [-3, 3]; App. E.1 found 1 best)
+    eta_range: tuple[float, float] = (1.0, 2.0)  # initial |eta| of the regular heads (paper)
     learning_rate: float = 0.005  # Adam's initial learning rate (paper: 0.005)
     decay_every: int = 5  # epochs between learning-rate halvings (paper: 5)
     decay_rate: float = 0.5  # the factor (paper: 0.5)
@@ -91,7 +92,10 @@ class Config:
 
     def rem_config(self) -> aj.REMConfig:
         return aj.REMConfig(
-            tuple(self.rsa_counts), dilations=tuple(self.rsa_dilations), mu_init=self.mu_init
+            tuple(self.rsa_counts),
+            dilations=tuple(self.rsa_dilations),
+            mu_init=self.mu_init,
+            eta_range=tuple(self.eta_range),
         )
 
 
@@ -294,6 +298,7 @@ def train_and_evaluate(
         "rsa_counts": list(cfg.rsa_counts) if cfg.model.startswith("rsa_") else None,
         "rsa_dilations": list(cfg.rsa_dilations) if cfg.model.startswith("rsa_") else None,
         "mu_init": cfg.mu_init if cfg.model.startswith("rsa_") else None,
+        "eta_range": list(cfg.eta_range) if cfg.model.startswith("rsa_") else None,
         "positional": cfg.positional_encoding,
         "backend": jax.default_backend(),
         "step_ms": 1e3 * train_s / max(cfg.epochs * steps_per_epoch, 1),

@@ -163,10 +163,10 @@ class RecurrenceEncoding(nnx.Module):
 
     ``mu`` is one scalar per layer; ``eta`` (regular heads) and ``nu``, ``theta`` (cyclical
     heads) one per head, laid out by ``REMConfig``. Initialisation as in the paper (Section
-    3): ``mu = config.mu_init``, ``eta`` spread over [-2, -1] U [1, 2], ``nu`` over [1, 2],
-    ``theta = pi / 4``. Overhead per layer: ``1 + (k1 + k4) + 2 (k2 + k3 + k5 + k6)``. A
-    family with no heads has no parameter (the attribute is None), since Orbax cannot
-    checkpoint zero-size arrays.
+    3): ``mu = config.mu_init``, ``eta`` spread over [-2, -1] U [1, 2] (``config.eta_range``),
+    ``nu`` over [1, 2], ``theta = pi / 4``. Overhead per layer:
+    ``1 + (k1 + k4) + 2 (k2 + k3 + k5 + k6)``. A family with no heads has no parameter (the
+    attribute is None), since Orbax cannot checkpoint zero-size arrays.
 
     Attributes:
       config: the ``REMConfig`` (static).

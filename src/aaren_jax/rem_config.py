@@ -110,12 +110,17 @@ class REMConfig:
         (Appendix D.1).
       mu_init: initial gate parameter ``mu``, in [-3, 3] (Section 3, "Initialization";
         Appendix E.1 found ``mu = 1`` best, hence the default).
+      eta_range: ``(lo, hi)``, ``0 < lo <= hi``: the regular heads' ``|eta|`` spreads over
+        ``[lo, hi]`` at initialisation. The paper's ``(1, 2)`` starts ``|lambda|`` at
+        0.76-0.96, memories that fade within tens of tokens; a larger range (``(2.5, 3.5)``:
+        0.987-0.998) starts them near a counter, beyond the paper.
     """
 
     counts: tuple[int, int, int, int, int, int] = (1, 0, 0, 0, 0, 0)
     dilations: tuple[int, ...] | int = ()
     max_power: int = DEFAULT_MAX_POWER
     mu_init: float = 1.0
+    eta_range: tuple[float, float] = (1.0, 2.0)
 
     def __post_init__(self):
         counts = tuple(self.counts) if isinstance(self.counts, tuple | list) else None
@@ -145,7 +150,21 @@ class REMConfig:
         mu_init = float(self.mu_init)
         if not -3.0 <= mu_init <= 3.0:
             raise ValueError(f"REMConfig: mu_init must lie in [-3, 3], got {mu_init}")
+        eta_range = self.eta_range
+        valid = isinstance(eta_range, tuple | list) and len(eta_range) == 2
+        valid = valid and not any(isinstance(x, bool | str) for x in eta_range)
+        if valid:
+            try:
+                eta_range = (float(eta_range[0]), float(eta_range[1]))
+            except (TypeError, ValueError):
+                valid = False
+        if not valid or not 0.0 < eta_range[0] <= eta_range[1] < math.inf:
+            raise ValueError(
+                f"REMConfig: eta_range must be two finite floats 0 < lo <= hi, "
+                f"got {self.eta_range!r}"
+            )
         object.__setattr__(self, "counts", counts)
+        object.__setattr__(self, "eta_range", eta_range)
         object.__setattr__(self, "dilations", dilations)
         object.__setattr__(self, "max_power", max_power)
         object.__setattr__(self, "mu_init", mu_init)
@@ -211,9 +230,9 @@ def _spread(lo: float, hi: float, n: int) -> np.ndarray:
     return np.linspace(lo, hi, n)
 
 
-def _signed_spread(n: int) -> np.ndarray:
-    """``n`` values over [-2, -1] U [1, 2], alternating signs: 1, -1, 1.5, -2, 2, ..."""
-    pos, neg = _spread(1.0, 2.0, (n + 1) // 2), -_spread(1.0, 2.0, n // 2) if n > 1 else []
+def _signed_spread(n: int, lo: float, hi: float) -> np.ndarray:
+    """``n`` values over [-hi, -lo] U [lo, hi], alternating signs; (1, 2): 1, -1, 1.5, -2, 2."""
+    pos, neg = _spread(lo, hi, (n + 1) // 2), -_spread(lo, hi, n // 2) if n > 1 else []
     out = np.empty(n)
     out[0::2], out[1::2] = pos, neg
     return out
@@ -222,10 +241,10 @@ def _signed_spread(n: int) -> np.ndarray:
 def init_rem_params(config: REMConfig, key=None, dtype=jnp.float32) -> dict[str, Array]:
     """The paper's deterministic initialisation of the REM parameters (Section 3).
 
-    ``eta`` spreads over [-2, -1] U [1, 2] within each regular type (signs alternate, so
-    both decay patterns, smooth and oscillating, are present); ``nu`` spreads over [1, 2]
-    within each cyclical type (so the i-th cos and i-th sin heads start as a conjugate
-    pair); ``theta = pi / 4``. ``mu`` is per layer, ``config.mu_init``.
+    ``eta`` spreads over [-2, -1] U [1, 2] (``config.eta_range``) within each regular type
+    (signs alternate, so both decay patterns, smooth and oscillating, are present); ``nu``
+    spreads over [1, 2] within each cyclical type (so the i-th cos and i-th sin heads start
+    as a conjugate pair); ``theta = pi / 4``. ``mu`` is per layer, ``config.mu_init``.
 
     Args:
       config: head assignment.
@@ -245,7 +264,7 @@ def init_rem_params(config: REMConfig, key=None, dtype=jnp.float32) -> dict[str,
     if not isinstance(config, REMConfig):
         raise TypeError(f"init_rem_params: config must be a REMConfig, got {type(config)}")
     k = config.counts
-    eta = np.concatenate([_signed_spread(k[0]), _signed_spread(k[3])])
+    eta = np.concatenate([_signed_spread(n, *config.eta_range) for n in (k[0], k[3])])
     nu = np.concatenate(
         [_spread(1.0, 2.0, n) if n else np.zeros(0) for n in (k[1], k[2], k[4], k[5])]
     )
