@@ -150,6 +150,7 @@ def test_tables_separate_default_runs_from_ablations():
     assert sweep.chosen_table(records) == ""
     chosen = {**rec("rsa_transformer", "none", 0.7), "rsa_case": "IV"}
     assert "IV: 1.00 / 0.70 (n=1)" in sweep.chosen_table([*records, chosen])
+    assert sweep.ablation_table([*records, chosen]) == ablation  # a chosen run: not an ablation
     # a later stage changed the choice: one entry per case, the current choice first
     rechosen = {**rec("rsa_transformer", "none", 0.9), "rsa_case": "IV+mu0"}
     select = [

@@ -173,10 +173,13 @@ def chosen_table(records: list[dict], selection: list[dict] | None = None) -> st
 
 
 def ablation_table(records: list[dict]) -> str:
-    """Markdown: each (model, positional encoding) pair against the default, per language."""
-    records = _unique(records)
+    """Markdown: each (model, positional encoding) pair against the default, per language.
+
+    Runs at a chosen RSA configuration (``rsa_case``) are ``chosen_table``'s, not ablations.
+    """
+    records = [r for r in _unique(records) if not _is_default(r) and r.get("rsa_case") is None]
     combos = sorted(
-        {(r["model"], r["positional"]) for r in records if not _is_default(r)},
+        {(r["model"], r["positional"]) for r in records},
         key=lambda c: (train.MODELS.index(c[0]), c[1]),
     )
     if not combos:
@@ -189,9 +192,7 @@ def ablation_table(records: list[dict]) -> str:
                 [
                     r
                     for r in records
-                    if r["language"] == lang
-                    and (r["model"], r["positional"]) == combo
-                    and not _is_default(r)
+                    if r["language"] == lang and (r["model"], r["positional"]) == combo
                 ]
             )
             for combo in combos
