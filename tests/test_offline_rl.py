@@ -14,7 +14,7 @@ pytest.importorskip("mujoco")
 
 from flax import nnx  # noqa: E402
 
-from examples.offline_rl import configs, data, generate, model, report, sac, train  # noqa: E402
+from examples.offline_rl import configs, data, drift, generate, model, report, sac, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +202,37 @@ def test_report_keeps_only_the_seeds_asked_for(tmp_path, capsys):
     report.main([str(path)])
     row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper"))
     assert "40.0 ± 35.6 (3 seeds)" in row
+
+
+def test_drift_by_timestep_counts_only_steps_inside_the_episodes():
+    rng = np.random.default_rng(0)
+    window = rng.normal(size=(60, 2, 3)).astype(np.float32)  # [T, B, A]
+    stream = window.copy()
+    stream[25:, 0] += 0.5  # episode 0 drifts from step 25 on
+    stream[40:, 1] = 1e6  # episode 1 ended at step 40: whatever follows must not count
+    out = drift.drift_by_timestep(window, stream, np.array([60, 40]))
+    assert [(b["t_from"], b["t_to"], b["steps"]) for b in out] == [
+        (0, 20, 40),
+        (20, 50, 50),
+        (50, 60, 10),
+    ]
+    assert out[0]["rms_diff"] == 0.0 and out[0]["relative"] == 0.0
+    # t 20-49: 25 drifting steps of episode 0 among 30 + 20 inside; every entry off by 0.5
+    w = np.concatenate([window[20:50, 0], window[20:40, 1]])
+    np.testing.assert_allclose(out[1]["rms_diff"], 0.5 * np.sqrt(25 / 50), rtol=1e-6)
+    np.testing.assert_allclose(
+        out[1]["relative"], out[1]["rms_diff"] / np.sqrt(np.mean(w**2)), rtol=1e-5
+    )
+    np.testing.assert_allclose(out[2]["rms_diff"], 0.5, rtol=1e-6)
+
+
+def test_drift_script_stream_equals_window_while_the_window_holds_the_episode(generated, tmp_path):
+    root, _, _ = generated
+    out = tmp_path / "drift.json"
+    argv = ["--data-root", str(root), "--steps", "500", "--max-steps", "2", "--no-progress"]
+    argv += ["--workdir", str(tmp_path / "run"), "--episodes", "1", "--out", str(out)]
+    record = drift.main(argv)
+    assert record["train_steps"] == 2 and json.loads(out.read_text()) == [record]
+    first = record["buckets"][0]
+    assert (first["t_from"], first["steps"]) == (0, min(20, int(record["episode_len"])))
+    assert first["rms_diff"] < 1e-5  # same history, same action: one model, two paths

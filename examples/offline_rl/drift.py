@@ -1,0 +1,142 @@
+"""How far Decision Aaren's stream drifts from its windowed actions over whole episodes.
+
+    python examples/offline_rl/drift.py --env hopper --dataset medium-expert --seed 0 \
+        --steps 2000 --data-root <cache>
+
+Trains one Decision Aaren as ``main.py`` does (every ``main.py`` option applies; the run
+folder, default ``workdirs/offline_rl/drift/<env>-<dataset>-aaren-<seed>-<steps>``, keeps its
+checkpoints, so a rerun resumes or reuses the trained parameters), then plays
+``--episodes`` episodes in closed loop with the windowed policy (what training matches) and,
+at every step, asks the stream for its action on the very same history (teacher forcing:
+the stream sees what the window saw, so the difference is the model's alone, not a
+compounding of its own actions). Until step ``K - 1`` both see the whole episode and must
+agree to float32 round-off; after it the window drops the oldest steps and the stream
+keeps them. The RMS difference of the two actions, and that difference relative to the
+RMS of the windowed action, are reported per range of the timestep ``t``.
+
+One record per run goes to ``--out`` (default ``results/offline_rl_drift.json``):
+``{"env", "dataset", "seed", "train_steps", "episodes", "return", "episode_len", "buckets":
+[{"t_from", "t_to", "steps", "rms_diff", "relative"}, ...], ...}``.
+
+Shape notation: ``B`` episodes, ``A`` action size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from examples.common import append_record, setup_logging  # noqa: E402
+from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
+from examples.offline_rl import evaluate as ev  # noqa: E402
+from examples.offline_rl import main as cli  # noqa: E402
+from examples.offline_rl import train  # noqa: E402
+
+BUCKETS = ((0, 20), (20, 50), (50, 100), (100, 200), (200, 500), (500, 1000))
+DEFAULT_OUT = REPO_ROOT / "results" / "offline_rl_drift.json"
+
+
+class TeacherForcedStream:
+    """Acts with the window; records the stream's action on the same inputs at every step."""
+
+    def __init__(self, model, batch: int, obs_dim: int, act_dim: int):
+        self.window = ev.WindowPolicy(model, batch, obs_dim, act_dim)
+        self.stream = ev.StreamPolicy(model)
+        self.window_actions: list[np.ndarray] = []  # per step, [B, A]
+        self.stream_actions: list[np.ndarray] = []
+
+    def __call__(self, t: int, states, returns, prev_actions) -> np.ndarray:
+        acted = self.window(t, states, returns, prev_actions)
+        self.window_actions.append(acted)
+        self.stream_actions.append(self.stream(t, states, returns, prev_actions))
+        return acted
+
+
+def drift_by_timestep(window: np.ndarray, stream: np.ndarray, lengths: np.ndarray) -> list[dict]:
+    """Per ``BUCKETS`` range of ``t``: the RMS of ``stream - window`` over the steps inside
+    the episodes, and its ratio to the RMS of ``window``.
+
+    Args:
+      window, stream: [T, B, A] actions per step.
+      lengths: [B] episode lengths (steps at ``t >= length`` are after the episode's end).
+    """
+    inside = np.arange(window.shape[0])[:, None] < lengths[None, :]  # [T, B]
+    out = []
+    for lo, hi in BUCKETS:
+        sel = inside[lo:hi]
+        if not sel.any():
+            break
+        diff = (stream[lo:hi] - window[lo:hi])[sel]
+        rms_diff = float(np.sqrt(np.mean(np.square(diff, dtype=np.float64))))
+        rms = float(np.sqrt(np.mean(np.square(window[lo:hi][sel], dtype=np.float64))))
+        out.append(
+            {
+                "t_from": lo,
+                "t_to": min(hi, int(lengths.max())),
+                "steps": int(sel.sum()),
+                "rms_diff": rms_diff,
+                "relative": rms_diff / rms if rms > 0 else None,
+            }
+        )
+    return out
+
+
+def main(argv=None) -> dict:
+    setup_logging()
+    ensure_importable()
+    p = argparse.ArgumentParser(description=__doc__, add_help=False)
+    p.add_argument("--episodes", type=int, default=5)
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    own, rest = p.parse_known_args(argv)
+    args = cli.parse_args([*rest, "--model", "aaren"])
+    cfg = cli.config_from_args(args)
+    steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
+    name = f"{args.env}-{args.dataset}-aaren-{args.seed}-{steps}"
+    workdir = args.workdir or str(REPO_ROOT / "workdirs" / "offline_rl" / "drift" / name)
+    traj = train.load_data(cfg)
+    result = train.fit_model(cfg, traj, workdir)  # a plain folder: its checkpoints stay
+    model = result.model
+    nnx.update(model, result.params)
+    target = train.targets(cfg, traj)[0][1]
+    policy = TeacherForcedStream(model, own.episodes, traj.obs_dim, traj.act_dim)
+    out = ev.rollout(
+        policy,
+        train.make_env_fn(args.env),
+        own.episodes,
+        target_return=target,
+        state_mean=traj.state_mean,
+        state_std=traj.state_std,
+        reward_scale=cfg.data.reward_scale,
+        seed=cfg.eval.seed,
+    )
+    window, stream = np.stack(policy.window_actions), np.stack(policy.stream_actions)
+    record = {
+        "env": args.env,
+        "dataset": args.dataset,
+        "seed": args.seed,
+        "train_steps": int(result.step),
+        "context_steps": cfg.model.seq_len,
+        "episodes": own.episodes,
+        "target_return": float(target),
+        "return": float(np.mean(out.returns)),
+        "episode_len": float(np.mean(out.lengths)),
+        "buckets": drift_by_timestep(window, stream, out.lengths),
+        "command": "python examples/offline_rl/drift.py " + " ".join(argv or sys.argv[1:]),
+    }
+    append_record(own.out, record)
+    for b in record["buckets"]:
+        print(
+            f"t {b['t_from']:4d}-{b['t_to']:4d}: {b['steps']:5d} steps, rms diff "
+            f"{b['rms_diff']:.2e}, relative {b['relative']:.3f}"
+        )
+    return record
+
+
+if __name__ == "__main__":
+    main()
