@@ -210,7 +210,7 @@ def test_drift_by_timestep_counts_only_steps_inside_the_episodes():
     stream = window.copy()
     stream[25:, 0] += 0.5  # episode 0 drifts from step 25 on
     stream[40:, 1] = 1e6  # episode 1 ended at step 40: whatever follows must not count
-    out = drift.drift_by_timestep(window, stream, np.array([60, 40]))
+    out = drift.drift_by_timestep(window, stream, np.array([60, 40]), context=20)
     assert [(b["t_from"], b["t_to"], b["steps"]) for b in out] == [
         (0, 20, 40),
         (20, 50, 50),
@@ -224,6 +224,10 @@ def test_drift_by_timestep_counts_only_steps_inside_the_episodes():
         out[1]["relative"], out[1]["rms_diff"] / np.sqrt(np.mean(w**2)), rtol=1e-5
     )
     np.testing.assert_allclose(out[2]["rms_diff"], 0.5, rtol=1e-6)
+    # the first range is the window's length, whatever it is
+    longer = drift.drift_by_timestep(window, stream, np.array([60, 40]), context=30)
+    assert [(b["t_from"], b["t_to"]) for b in longer] == [(0, 30), (30, 50), (50, 60)]
+    assert longer[0]["rms_diff"] > 0  # steps 25-29 of episode 0 differ
 
 
 def test_drift_script_stream_equals_window_while_the_window_holds_the_episode(generated, tmp_path):
@@ -236,3 +240,25 @@ def test_drift_script_stream_equals_window_while_the_window_holds_the_episode(ge
     first = record["buckets"][0]
     assert (first["t_from"], first["steps"]) == (0, min(20, int(record["episode_len"])))
     assert first["rms_diff"] < 1e-5  # same history, same action: one model, two paths
+
+
+def test_run_length_and_context():
+    cfg = configs.set_run_length(configs.get_config(), steps=2300, context=60)
+    assert cfg.loop.max_epochs * cfg.loop.steps_per_epoch == 2000  # whole epochs of 500
+    assert cfg.optim.warmup_steps == 200 and cfg.model.seq_len == 60
+    kept = configs.set_run_length(configs.get_config())
+    assert kept == configs.get_config()  # None keeps every value
+    with pytest.raises(ValueError, match="context"):
+        configs.set_run_length(configs.get_config(), context=0)
+
+
+def test_sweep_refuses_a_results_file_of_another_context(tmp_path):
+    from examples.offline_rl import sweep
+
+    results = tmp_path / "runs.json"
+    results.write_text(json.dumps([{"env": "hopper", "dataset": "medium", "model": "aaren",
+                                    "seed": 0}]))  # fmt: skip
+    # a record without context_steps was trained at CORL's 20: fine for 20, not for 60
+    sweep.main(["--results", str(results), "--dry-run", "--envs", "hopper", "--seeds", "0"])
+    with pytest.raises(SystemExit, match="context"):
+        sweep.main(["--results", str(results), "--dry-run", "--context", "60"])

@@ -121,6 +121,20 @@ def get_config(env: str = "hopper", dataset: str = "medium", backbone: str = "tr
     return cfg
 
 
+def set_run_length(cfg: Config, steps: int | None = None, context: int | None = None) -> Config:
+    """Sets the training updates (rounded down to whole epochs of ``steps_per_epoch``, the
+    warm-up kept at a tenth) and the context ``K`` in environment steps; None keeps a value."""
+    if steps is not None:
+        per_epoch = cfg.loop.steps_per_epoch
+        cfg.loop.max_epochs = max(1, steps // per_epoch)
+        cfg.optim.warmup_steps = max(1, cfg.loop.max_epochs * per_epoch // 10)
+    if context is not None:
+        if context < 1:
+            raise ValueError(f"context must be at least 1 environment step, got {context}")
+        cfg.model.seq_len = context
+    return cfg
+
+
 def tiny_config(env: str = "hopper", dataset: str = "medium", backbone: str = "aaren") -> Config:
     """A seconds-long configuration for tests and the notebook."""
     cfg = get_config(env, dataset, backbone)

@@ -12,7 +12,8 @@ the stream sees what the window saw, so the difference is the model's alone, not
 compounding of its own actions). Until step ``K - 1`` both see the whole episode and must
 agree to float32 round-off; after it the window drops the oldest steps and the stream
 keeps them. The RMS difference of the two actions, and that difference relative to the
-RMS of the windowed action, are reported per range of the timestep ``t``.
+RMS of the windowed action, are reported per range of the timestep ``t`` (``[0, K)``,
+then up to 50, 100, 200, 500, 1000). ``--context`` trains and plays with another ``K``.
 
 One record per run goes to ``--out`` (default ``results/offline_rl_drift.json``):
 ``{"env", "dataset", "seed", "train_steps", "episodes", "return", "episode_len", "buckets":
@@ -34,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from examples.common import append_record, setup_logging  # noqa: E402
 from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
+from examples.offline_rl import configs, train  # noqa: E402
 from examples.offline_rl import evaluate as ev  # noqa: E402
 from examples.offline_rl import main as cli  # noqa: E402
-from examples.offline_rl import train  # noqa: E402
 
-BUCKETS = ((0, 20), (20, 50), (50, 100), (100, 200), (200, 500), (500, 1000))
+EDGES = (50, 100, 200, 500, 1000)  # timestep ranges reported after the first K steps
 DEFAULT_OUT = REPO_ROOT / "results" / "offline_rl_drift.json"
 
 
@@ -58,17 +59,22 @@ class TeacherForcedStream:
         return acted
 
 
-def drift_by_timestep(window: np.ndarray, stream: np.ndarray, lengths: np.ndarray) -> list[dict]:
-    """Per ``BUCKETS`` range of ``t``: the RMS of ``stream - window`` over the steps inside
-    the episodes, and its ratio to the RMS of ``window``.
+def drift_by_timestep(
+    window: np.ndarray, stream: np.ndarray, lengths: np.ndarray, context: int
+) -> list[dict]:
+    """Per range of ``t`` (``[0, K)``, then up to each of ``EDGES``): the RMS of
+    ``stream - window`` over the steps inside the episodes, and its ratio to the RMS of
+    ``window``.
 
     Args:
       window, stream: [T, B, A] actions per step.
       lengths: [B] episode lengths (steps at ``t >= length`` are after the episode's end).
+      context: ``K``, the window's length in steps.
     """
     inside = np.arange(window.shape[0])[:, None] < lengths[None, :]  # [T, B]
+    edges = [0, context, *(e for e in EDGES if e > context)]
     out = []
-    for lo, hi in BUCKETS:
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         sel = inside[lo:hi]
         if not sel.any():
             break
@@ -98,6 +104,8 @@ def main(argv=None) -> dict:
     cfg = cli.config_from_args(args)
     steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
     name = f"{args.env}-{args.dataset}-aaren-{args.seed}-{steps}"
+    if cfg.model.seq_len != configs.ModelConfig.seq_len:
+        name += f"-k{cfg.model.seq_len}"
     workdir = args.workdir or str(REPO_ROOT / "workdirs" / "offline_rl" / "drift" / name)
     traj = train.load_data(cfg)
     result = train.fit_model(cfg, traj, workdir)  # a plain folder: its checkpoints stay
@@ -126,7 +134,7 @@ def main(argv=None) -> dict:
         "target_return": float(target),
         "return": float(np.mean(out.returns)),
         "episode_len": float(np.mean(out.lengths)),
-        "buckets": drift_by_timestep(window, stream, out.lengths),
+        "buckets": drift_by_timestep(window, stream, out.lengths, cfg.model.seq_len),
         "command": "python examples/offline_rl/drift.py " + " ".join(argv or sys.argv[1:]),
     }
     append_record(own.out, record)

@@ -30,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="discard the run folder's run")
     p.add_argument("--steps", type=int, default=None, help="training updates (a multiple of 500)")
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumable) after these")
+    p.add_argument("--context", type=int, default=None, help="context K in steps (CORL: 20)")
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--target-return", type=float, default=None)
     p.add_argument("--no-stream", action="store_true", help="skip Aaren's streamed evaluation")
@@ -41,10 +42,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
     cfg = configs.get_config(args.env, args.dataset, args.model, args.seed)
     cfg.data.dataset_id = args.dataset_id
     cfg.data.data_root = args.data_root
-    if args.steps is not None:
-        per_epoch = cfg.loop.steps_per_epoch
-        cfg.loop.max_epochs = max(1, args.steps // per_epoch)
-        cfg.optim.warmup_steps = max(1, cfg.loop.max_epochs * per_epoch // 10)
+    configs.set_run_length(cfg, args.steps, args.context)
     cfg.loop.max_steps = args.max_steps
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", default=None, help="default: workdirs/offline_rl/results.json")
     p.add_argument("--data-root", default=None, help="Minari datasets (default: workdirs/...)")
     p.add_argument("--steps", type=int, default=None, help="training updates per run")
+    p.add_argument(
+        "--context", type=int, default=None, help="context K in steps (CORL: 20); own --results"
+    )
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
@@ -60,10 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_config(args, env: str, ds: str, model: str, seed: int) -> configs.Config:
     cfg = configs.get_config(env, ds, model, seed)
     cfg.data.data_root = args.data_root
-    if args.steps is not None:
-        per_epoch = cfg.loop.steps_per_epoch
-        cfg.loop.max_epochs = max(1, args.steps // per_epoch)
-        cfg.optim.warmup_steps = max(1, cfg.loop.max_epochs * per_epoch // 10)
+    configs.set_run_length(cfg, args.steps, args.context)
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes
     cfg.loop.progress = not args.no_progress
@@ -87,6 +87,14 @@ def main(argv=None) -> None:
     ensure_importable()
     args = parse_args(argv)
     results = results_path(args.results, "offline_rl")
+    context = args.context or configs.ModelConfig.seq_len
+    # records from before the option were all trained at CORL's 20
+    contexts = {r.get("context_steps", configs.ModelConfig.seq_len) for r in load_records(results)}
+    if contexts - {context}:
+        raise SystemExit(
+            f"error: {results} holds runs with context {sorted(contexts)}; give --results "
+            f"another file for context {context}"
+        )
     done = {record_key(r, KEY) for r in load_records(results)}
     runs = pending_runs(args, done)
     logging.info("%d runs recorded, %d pending", len(done), len(runs))

@@ -207,6 +207,7 @@ def train_and_evaluate(
                     **scores,
                     "dataset_id": traj.name,
                     "transitions": traj.num_transitions,
+                    "context_steps": config.model.seq_len,
                     "train_steps": result.step,
                     "finished": bool(result.done),
                     "fit_mse": result.history[-1]["val_mse"] if result.history else None,
