@@ -354,7 +354,8 @@ BAD_CONFIGS = [
     (dict(eta_range=(2.0, 1.0)), ValueError, "eta_range"),
     (dict(eta_range=(1.0, float("nan"))), ValueError, "eta_range"),
     (dict(eta_range=(1.0,)), ValueError, "eta_range"),
-    (dict(eta_range=(True, 2.0)), ValueError, "eta_range"),
+    (dict(eta_range=(1.0, 2.0, 3.0)), ValueError, "eta_range"),
+    (dict(eta_range=None), ValueError, "eta_range"),
     (dict(eta_range="12"), ValueError, "eta_range"),
 ]
 

@@ -150,21 +150,17 @@ class REMConfig:
         mu_init = float(self.mu_init)
         if not -3.0 <= mu_init <= 3.0:
             raise ValueError(f"REMConfig: mu_init must lie in [-3, 3], got {mu_init}")
-        eta_range = self.eta_range
-        valid = isinstance(eta_range, tuple | list) and len(eta_range) == 2
-        valid = valid and not any(isinstance(x, bool | str) for x in eta_range)
-        if valid:
-            try:
-                eta_range = (float(eta_range[0]), float(eta_range[1]))
-            except (TypeError, ValueError):
-                valid = False
-        if not valid or not 0.0 < eta_range[0] <= eta_range[1] < math.inf:
+        try:
+            lo, hi = (float(x) for x in self.eta_range)
+        except (TypeError, ValueError):  # not two numbers
+            lo = hi = math.nan
+        if isinstance(self.eta_range, str) or not 0.0 < lo <= hi < math.inf:
             raise ValueError(
                 f"REMConfig: eta_range must be two finite floats 0 < lo <= hi, "
                 f"got {self.eta_range!r}"
             )
         object.__setattr__(self, "counts", counts)
-        object.__setattr__(self, "eta_range", eta_range)
+        object.__setattr__(self, "eta_range", (lo, hi))
         object.__setattr__(self, "dilations", dilations)
         object.__setattr__(self, "max_power", max_power)
         object.__setattr__(self, "mu_init", mu_init)
