@@ -37,12 +37,12 @@ def load_scan(source: str, name: str):
     return module
 
 
-def functions(scan, scores, values, cotangent):
+def functions(scan, scores, values, cotangent, method="blocked"):
     def forward(s, v):
-        return scan.prefix_attention(s, v, method="blocked")[0]
+        return scan.prefix_attention(s, v, method=method)[0]
 
     def loss(s, v):
-        return (scan.prefix_attention(s, v, method="blocked")[0] * cotangent).sum()
+        return (scan.prefix_attention(s, v, method=method)[0] * cotangent).sum()
 
     return {
         "forward": jax.jit(forward).lower(scores, values).compile(),
@@ -58,6 +58,11 @@ def main(argv=None) -> dict:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--before-method",
+        default="blocked",
+        help="the method at --before: 'auto' for revisions before 'blocked' was named (d76ce44)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -76,6 +81,7 @@ def main(argv=None) -> dict:
         "benchmark": "blocked_gradient",
         "command": "python benchmarks/blocked_gradient.py " + " ".join(argv or sys.argv[1:]),
         "before": args.before,
+        "before_method": args.before_method,
         "machine": machine_info(),
         "shape": {"batch": args.batch, "heads": args.heads, "dim": args.dim},
         "lengths": {},
@@ -86,8 +92,10 @@ def main(argv=None) -> dict:
         scores = jax.random.normal(keys[0], shape) * 2
         values = jax.random.normal(keys[1], (*shape, args.dim))
         cotangent = jax.random.normal(keys[2], (*shape, args.dim))
+        methods = {"before": args.before_method, "after": "blocked"}
         compiled = {
-            name: functions(scan, scores, values, cotangent) for name, scan in revisions.items()
+            name: functions(scan, scores, values, cotangent, methods[name])
+            for name, scan in revisions.items()
         }
         grads = {name: fns["gradient"](scores, values) for name, fns in compiled.items()}
         difference = max(

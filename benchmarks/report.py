@@ -63,26 +63,33 @@ def scan_table():
     report = _load("scan_cpu.json")
     if report is None:
         return None
+    machine = report["machine"]
     lines = [
-        f"Machine: {report['machine']['processor']}, {report['machine']['cpu_count']} cores, "
-        f"jax {report['machine']['jax']} ({report['machine']['backend']}). "
+        f"Machine: {machine['cpu_model']}, {machine['cpu_count']} cores, jax {machine['jax']} "
+        f"({machine['backend']}), load average {machine['load_average_at_start']} at the start. "
         f"Command: `{report['command']}`.",
         "",
-        "| N | method | forward ms (median) | x floor | fwd+bwd ms (median) | x floor "
-        "| compile fwd / fwd+bwd s |",
+        "| N | method | forward ms (median) | x floor (per round) | fwd+bwd ms (median) "
+        "| x floor (per round) | compile fwd / fwd+bwd s |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
-        floor_f = row["floor_forward"]["median_ms"]
-        floor_b = row["floor_forward_backward"]["median_ms"]
+        floor_f = row["floor"]["forward"]["ms"]["median"]
+        floor_b = row["floor"]["forward_backward"]["ms"]["median"]
         lines.append(f"| {row['N']} | floor | {floor_f:.1f} | 1 | {floor_b:.1f} | 1 | |")
-        for method in ("auto", "associative", "sequential", "chunked"):
+        for method in ("auto", "blocked", "associative", "sequential", "chunked"):
             if method not in row:
                 continue
             f, b = row[method]["forward"], row[method]["forward_backward"]
+            ratio = {
+                kind: "{of_medians:.2f} ({per_round_min:.2f}-{per_round_max:.2f})".format(
+                    **t["ratio_to_floor"]
+                )
+                for kind, t in (("f", f), ("b", b))
+            }
             lines.append(
-                f"| {row['N']} | {method} | {f['median_ms']:.1f} | {f['ratio_to_floor']:.2f} "
-                f"| {b['median_ms']:.1f} | {b['ratio_to_floor']:.2f} "
+                f"| {row['N']} | {method} | {f['ms']['median']:.1f} | {ratio['f']} "
+                f"| {b['ms']['median']:.1f} | {ratio['b']} "
                 f"| {f['compile_s']:.1f} / {b['compile_s']:.1f} |"
             )
     return "\n".join(lines)

@@ -3,12 +3,14 @@
     python benchmarks/scan.py                    # B=8, H=4, D=64, N in {1024, 4096, 16384}
     python benchmarks/scan.py --lengths 1024     # a quicker look
 
-For each N: median and min of the forward pass and of forward+backward (the gradient of
-``sum(outputs * g)`` with respect to scores and values), the compile time of each, and ratios
-to floors measured in the same run: the forward floor is one jitted ``a * b + a`` over two
-value-shaped arrays, the forward+backward floor ``jax.grad`` of ``sum((a * b + a) * c)`` with
-respect to ``a`` and ``b``. The machine is shared and noisy: compare ratios within one run.
-Writes ``results/scan_<backend>.json``.
+For each N: the forward pass and forward+backward (the gradient of ``sum(outputs * g)`` with
+respect to scores and values) of every method and of the floors, interleaved round by round
+(``--rounds``; each timed call after an untimed one of the same variant), with compile
+times, medians, per-round times and the ratio to the floor (of the medians, and its
+per-round minimum, median and maximum). The forward floor is one jitted ``a * b + a`` over
+two value-shaped arrays, the forward+backward floor ``jax.grad`` of ``sum((a * b + a) * c)``
+with respect to ``a`` and ``b``. The machine is shared and noisy: compare ratios within one
+run. Writes ``results/scan_<backend>.json``.
 """
 
 from __future__ import annotations
@@ -16,87 +18,66 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from _common import add_shape_args, floor_forward, floor_forward_backward, machine_info
+from _common import (
+    add_shape_args,
+    floor_forward,
+    floor_forward_backward,
+    interleaved,
+    machine_info,
+)
 
 import aaren_jax as aj
 
 METHODS = ("auto", "blocked", "associative", "sequential", "chunked")
 
 
-def _compile(fn, *args):
-    start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    return compiled, time.perf_counter() - start
-
-
-def _time(compiled, *args, repeats):
-    jax.block_until_ready(compiled(*args))  # warm-up, excluded
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return {"median_ms": 1e3 * float(np.median(times)), "min_ms": 1e3 * float(np.min(times))}
-
-
-def _measure(fn, *args, repeats):
-    compiled, compile_s = _compile(fn, *args)
-    return {**_time(compiled, *args, repeats=repeats), "compile_s": compile_s}
-
-
-def bench_length(length, batch, heads, dim, repeats, methods):
+def variants(length, batch, heads, dim, methods) -> dict:
+    """``_common.interleaved``'s table: the floors, then each method's forward and gradient."""
     keys = jax.random.split(jax.random.key(length), 3)
     scores = jax.random.normal(keys[0], (batch, heads, length)) * 2
     values = jax.random.normal(keys[1], (batch, heads, length, dim))
     cotangent = jax.random.normal(keys[2], (batch, heads, length, dim))
 
-    floor_fwd = _measure(floor_forward, values, cotangent, repeats=repeats)
-    floor_bwd = _measure(floor_forward_backward, values, cotangent, values, repeats=repeats)
-    row = {"N": length, "floor_forward": floor_fwd, "floor_forward_backward": floor_bwd}
+    table = {"floor": (floor_forward, floor_forward_backward, (values, cotangent), values)}
     for method in methods:
 
         def forward(s, v, method=method):
             return aj.prefix_attention(s, v, method=method)[0]
 
-        def loss(s, v, g, method=method):
-            return jnp.sum(aj.prefix_attention(s, v, method=method)[0] * g)
+        def gradient(s, v, g, forward=forward):
+            loss = lambda s, v: jnp.sum(forward(s, v) * g)  # noqa: E731
+            return jax.grad(loss, argnums=(0, 1))(s, v)
 
-        fwd = _measure(forward, scores, values, repeats=repeats)
-        bwd = _measure(jax.grad(loss, argnums=(0, 1)), scores, values, cotangent, repeats=repeats)
-        fwd["ratio_to_floor"] = fwd["median_ms"] / floor_fwd["median_ms"]
-        bwd["ratio_to_floor"] = bwd["median_ms"] / floor_bwd["median_ms"]
-        row[method] = {"forward": fwd, "forward_backward": bwd}
-    return row
+        table[method] = (forward, gradient, (scores, values), cotangent)
+    return table
 
 
-def machine():
-    """CPU model, core count, jax version, load average (``_common.machine_info``)."""
-    return machine_info()
+def bench_length(length, batch, heads, dim, rounds, methods):
+    """The floors and every method at one N, interleaved round by round."""
+    return {"N": length, **interleaved(variants(length, batch, heads, dim, methods), rounds)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     add_shape_args(parser, blocks=False)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, help="default: results/scan_<backend>.json")
     args = parser.parse_args()
 
     rows = [
-        bench_length(n, args.batch, args.heads, args.dim, args.repeats, args.methods)
+        bench_length(n, args.batch, args.heads, args.dim, args.rounds, args.methods)
         for n in args.lengths
     ]
     report = {
         "benchmark": "prefix_attention",
         "shape": {"B": args.batch, "H": args.heads, "D": args.dim, "dtype": "float32"},
-        "machine": machine(),
+        "machine": machine_info(),
         "command": " ".join(["python", "benchmarks/scan.py", *sys.argv[1:]]),
         "results": rows,
     }

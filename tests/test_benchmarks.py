@@ -170,3 +170,25 @@ def test_scan_floors_are_the_elementwise_work_and_its_gradient(key):
     grad_a, grad_b = _common.floor_forward_backward(a, b, c)
     np.testing.assert_allclose(grad_a, (b + 1) * c, rtol=1e-5, atol=1e-6)  # d/da sum((ab+a)c)
     np.testing.assert_allclose(grad_b, a * c, rtol=1e-5, atol=1e-6)
+
+
+def test_scan_benchmark_times_each_methods_own_gradient():
+    import scan
+
+    table = scan.variants(8, 1, 1, 2, ("associative", "sequential"))
+    jaxprs = {}
+    for method, (_, gradient, inputs, cotangent) in table.items():
+        if method == "floor":
+            continue
+        scores, values = inputs
+
+        def loss(s, v, method=method, g=cotangent):
+            return jnp.sum(aj.prefix_attention(s, v, method=method)[0] * g)
+
+        want = jax.grad(loss, argnums=(0, 1))(scores, values)
+        got = gradient(scores, values, cotangent)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        jaxprs[method] = str(jax.make_jaxpr(gradient)(scores, values, cotangent))
+    # each method's gradient is its own computation, not the last method's (late binding)
+    assert jaxprs["associative"] != jaxprs["sequential"]

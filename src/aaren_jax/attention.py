@@ -32,6 +32,7 @@ Shape notation: ``B`` batch, ``T`` time, ``H`` heads, ``D`` head size, ``d`` mod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -117,6 +118,16 @@ def zero_masked(x: Array, mask: Array | None) -> Array:
     if mask is None:
         return x
     return jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+
+
+def per_token(fn: Callable[[Array], Array], x: Array) -> Array:
+    """``fn`` applied to every token of ``x`` [..., d] as one [tokens, d] matrix. [..., d']
+
+    For a function that acts on each token alone (a projection, a LayerNorm, an MLP). XLA's
+    CPU code for the same work over [B, T, d] was slower, most with B = 1
+    (``benchmarks/token_layout.py``); the reshapes are free.
+    """
+    return fn(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
 def _concrete_int(x) -> int | None:
@@ -391,20 +402,20 @@ class _Attention(SequenceModule):
                 rem = self.rsa.init_carry(batch, self.head_dim, self.state_dtype)
         else:
             own, rem = self._split_carry(carry, batch)
-        values = self._heads(self.v_proj(x))
+        values = self._heads(per_token(self.v_proj, x))
         if self.causal:
             out, own = self._mix(x, values, mask, own, max_len)  # [B, H, T, D]
         else:
             valid = jnp.ones((batch, length), jnp.bool_) if mask is None else mask
             # every query sees every valid token; masked inputs were zeroed (finite values)
-            keys = (self._heads(self.k_proj(x)), values, valid[:, None, None, :])
+            keys = (self._heads(per_token(self.k_proj, x)), values, valid[:, None, None, :])
             out = jnp.broadcast_to(
                 masked_attention(self._queries(x), [keys], guarded=(False,)), values.shape
             )
         if self.rsa is not None:
             out, rem = self.rsa(out, values, mask, rem)
             own = RSAState(own, rem)
-        y = self.o_proj(jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
+        y = per_token(self.o_proj, jnp.swapaxes(out, 1, 2).reshape(batch, length, self.d_model))
         return y, own
 
     def _split_carry(self, carry, batch: int):
@@ -550,7 +561,7 @@ class AarenAttention(_Attention):
         q = self._query()
         kernel = self.k_proj.kernel[...].astype(acc)
         folded = jnp.einsum("ihd,hd->ih", kernel.reshape(-1, *q.shape), q)  # [d, H]
-        scores = jnp.matmul(x.astype(acc), folded)
+        scores = per_token(lambda tokens: jnp.matmul(tokens, folded), x.astype(acc))
         if self.k_proj.bias is not None:
             bias = self.k_proj.bias[...].astype(acc).reshape(q.shape)
             scores = scores + jnp.sum(bias * q, axis=-1)[None, None]
@@ -789,12 +800,13 @@ class CausalSelfAttention(_Attention):
 
     def _queries(self, x: Array) -> Array:
         """[B, H, T, D], scaled by ``1/sqrt(D)``."""
-        return self._heads(self.q_proj(x)) * jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
+        scale = jnp.asarray(1.0 / math.sqrt(self.head_dim), x.dtype)
+        return self._heads(per_token(self.q_proj, x)) * scale
 
     def _mix(self, x: Array, values: Array, mask: Array | None, cache, max_len):
         batch, length, _ = x.shape
         q = self._queries(x)
-        keys = self._heads(self.k_proj(x))
+        keys = self._heads(per_token(self.k_proj, x))
         valid = jnp.ones((batch, length), jnp.bool_) if mask is None else mask
         causal = jnp.tril(jnp.ones((length, length), jnp.bool_))[None, None]
         new = (keys, values, causal & valid[:, None, None, :])  # [B, 1, T, T]

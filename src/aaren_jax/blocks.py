@@ -14,6 +14,7 @@ Shape notation: ``B`` batch, ``T`` time, ``d`` model width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -24,6 +25,7 @@ from aaren_jax.attention import (
     AarenAttention,
     CausalSelfAttention,
     SequenceModule,
+    per_token,
     zero_masked,
 )
 from aaren_jax.rem_config import REMConfig
@@ -141,15 +143,20 @@ class Block(SequenceModule):
         """The block on validated inputs: ``(y [B, T, d], carry)``."""
         x = zero_masked(x, mask)
         pre = self.norm == "pre"
-        h, carry = self.attention.forward(self.norm1(x) if pre else x, mask, carry, max_len)
+        norm1, norm2 = (functools.partial(per_token, norm) for norm in (self.norm1, self.norm2))
+        h, carry = self.attention.forward(norm1(x) if pre else x, mask, carry, max_len)
         x = x + self.dropout(h)
         if not pre:
-            x = self.norm1(x)
-        h = self.norm2(x) if pre else x
-        x = x + self.dropout(self.mlp_out(self.activation(self.mlp_in(h))))
+            x = norm1(x)
+        h = norm2(x) if pre else x
+        x = x + self.dropout(per_token(self.mlp, h))
         if not pre:
-            x = self.norm2(x)
+            x = norm2(x)
         return x, carry
+
+    def mlp(self, h: Array) -> Array:
+        """The MLP on tokens: ``mlp_out(activation(mlp_in(h)))``. [N, d] -> [N, d]"""
+        return self.mlp_out(self.activation(self.mlp_in(h)))
 
 
 class AarenBlock(Block):
