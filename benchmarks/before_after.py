@@ -5,8 +5,8 @@
 
 Checks the ``--before`` revision out into a temporary git worktree and runs, ``--rounds``
 times, first that revision's then this tree's ``benchmarks/streaming.py --quick`` and
-``benchmarks/training.py --quick`` (each in a fresh process whose ``PYTHONPATH`` points at
-that revision's ``src``), so both see the same machine noise. Reports, per revision and
+``benchmarks/training.py --quick`` (or at ``--training-lengths``), each in a fresh process
+whose ``PYTHONPATH`` points at that revision's ``src``, so both see the same machine noise. Reports, per revision and
 round, Aaren's per-token step over the bare matmul floor and the Transformer's per-token
 step at the largest checkpoint (streaming), and tokens per second of one block at each N
 (training), then the medians over rounds and after / before ratios.
@@ -26,9 +26,10 @@ from pathlib import Path
 from _common import REPO, machine_info, write_json
 
 
-def run_benchmark(tree: Path, script: str, out: Path) -> dict:
+def run_benchmark(tree: Path, script: str, out: Path, options: list[str] | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    command = [sys.executable, str(tree / "benchmarks" / script), "--quick", "--out", str(out)]
+    options = ["--quick"] if options is None else options
+    command = [sys.executable, str(tree / "benchmarks" / script), *options, "--out", str(out)]
     if script == "streaming.py":
         command.append("--no-plot")
     subprocess.run(command, cwd=tree / "benchmarks", env=env, check=True, capture_output=True)
@@ -55,9 +56,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="git revision to compare against")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--training-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="training.py at these N (3 repeats) instead of its --quick",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "results" / "before_after_cpu.json")
     args = parser.parse_args()
     info = machine_info()
+    training_options = None
+    if args.training_lengths:
+        training_options = ["--lengths", *map(str, args.training_lengths), "--repeats", "3"]
     rounds: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         before_tree = Path(tmp) / "before"
@@ -71,7 +82,9 @@ def main() -> None:
             for r in range(args.rounds):
                 for name, tree in (("before", before_tree), ("after", REPO)):
                     streaming = run_benchmark(tree, "streaming.py", Path(tmp) / f"s_{name}.json")
-                    training = run_benchmark(tree, "training.py", Path(tmp) / f"t_{name}.json")
+                    training = run_benchmark(
+                        tree, "training.py", Path(tmp) / f"t_{name}.json", training_options
+                    )
                     rounds[name].append(key_figures(streaming, training))
                     print(f"round {r} {name}: {rounds[name][-1]}", flush=True)
         finally:
@@ -90,8 +103,7 @@ def main() -> None:
         args.out,
         {
             "benchmark": "before_after",
-            "command": f"python benchmarks/before_after.py --before {args.before} "
-            f"--rounds {args.rounds}",
+            "command": "python benchmarks/before_after.py " + " ".join(sys.argv[1:]),
             "before": args.before,
             "after": f"{head} (working tree)",
             "machine": info,
