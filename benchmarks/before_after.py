@@ -6,10 +6,10 @@
 Checks the ``--before`` revision out into a temporary git worktree and runs, ``--rounds``
 times, first that revision's then this tree's ``benchmarks/streaming.py --quick`` and
 ``benchmarks/training.py --quick`` (or at ``--training-lengths``), each in a fresh process
-whose ``PYTHONPATH`` points at that revision's ``src``, so both see the same machine noise. Reports, per revision and
-round, Aaren's per-token step over the bare matmul floor and the Transformer's per-token
-step at the largest checkpoint (streaming), and tokens per second of one block at each N
-(training), then the medians over rounds and after / before ratios.
+whose ``PYTHONPATH`` points at that revision's ``src``, so both see the same machine noise.
+Reports, per revision and round, Aaren's per-token step over the bare matmul floor and the
+Transformer's per-token step at the largest checkpoint (streaming), and tokens per second of
+one block at each N (training), then the medians over rounds and after / before ratios.
 """
 
 from __future__ import annotations
