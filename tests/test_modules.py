@@ -347,3 +347,15 @@ def test_decode_step_updates_the_kv_cache_in_place():
     cache_shape = f"f32[1,{HEADS},37,{D_MODEL // HEADS}]"
     copies = [line for line in hlo.splitlines() if cache_shape in line and " copy(" in line]
     assert not copies, copies
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 8), (1, 7, 8), (5, 8), (1, 1, 8)])
+def test_per_token_is_the_function_on_every_token(key, shape):
+    from aaren_jax.attention import per_token
+
+    linear = nnx.Linear(8, 3, rngs=nnx.Rngs(0))
+    norm = nnx.LayerNorm(8, rngs=nnx.Rngs(0))
+    x = jax.random.normal(key, shape)
+    got = per_token(lambda t: linear(norm(t)), x)
+    assert got.shape == (*shape[:-1], 3)  # the output width may differ from the input's
+    np.testing.assert_allclose(got, linear(norm(x)), rtol=1e-5, atol=1e-6)

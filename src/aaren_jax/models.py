@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from aaren_jax.attention import KVCache, RSAState, SequenceModule, zero_masked
+from aaren_jax.attention import KVCache, RSAState, SequenceModule, per_token, zero_masked
 from aaren_jax.blocks import Block, Mixer
 from aaren_jax.rem_config import REMConfig
 from aaren_jax.scan import AttentionState
@@ -151,7 +151,7 @@ class Stack(SequenceModule):
             state = None if carry is None else carry.layers[i]
             x, state = block.forward(x, mask, state, max_len)
             states.append(state)
-        y = self.final_norm(x) if self.final_norm is not None else x
+        y = x if self.final_norm is None else per_token(self.final_norm, x)
         return y, self.carry_type(tuple(states))
 
 
