@@ -240,6 +240,12 @@ def test_drift_script_stream_equals_window_while_the_window_holds_the_episode(ge
     first = record["buckets"][0]
     assert (first["t_from"], first["steps"]) == (0, min(20, int(record["episode_len"])))
     assert first["rms_diff"] < 1e-5  # same history, same action: one model, two paths
+    # the same model also streams in closed loop; scores are D4RL-normalised returns
+    assert record["stream_episode_len"] >= 1 and np.isfinite(record["stream_return"])
+    low, high = configs.D4RL_REF["hopper"]
+    for prefix in ("", "stream_"):
+        want = 100 * (record[prefix + "return"] - low) / (high - low)
+        assert record[prefix + "score"] == pytest.approx(want)
 
 
 def test_run_length_and_context():

@@ -16,8 +16,11 @@ RMS of the windowed action, are reported per range of the timestep ``t`` (``[0, 
 then up to 50, 100, 200, 500, 1000). ``--context`` trains and plays with another ``K``.
 
 One record per run goes to ``--out`` (default ``results/offline_rl_drift.json``):
-``{"env", "dataset", "seed", "train_steps", "episodes", "return", "episode_len", "buckets":
-[{"t_from", "t_to", "steps", "rms_diff", "relative"}, ...], ...}``.
+``{"env", "dataset", "seed", "train_steps", "context_steps", "episodes", "return",
+"episode_len", "score", "stream_return", "stream_episode_len", "stream_score", "buckets":
+[{"t_from", "t_to", "steps", "rms_diff", "relative"}, ...], ...}``: ``return`` and ``score``
+(D4RL-normalised) are the windowed policy's, ``stream_*`` the same model streaming in closed
+loop over the same episode seeds (its own actions, so its own drift compounds).
 
 Shape notation: ``B`` episodes, ``A`` action size.
 """
@@ -124,6 +127,19 @@ def main(argv=None) -> dict:
         seed=cfg.eval.seed,
     )
     window, stream = np.stack(policy.window_actions), np.stack(policy.stream_actions)
+    # the same model streaming in closed loop, on the same episode seeds: what its own
+    # actions, not the window's, make of the drift
+    streamed = ev.rollout(
+        ev.StreamPolicy(model),
+        train.make_env_fn(args.env),
+        own.episodes,
+        target_return=target,
+        state_mean=traj.state_mean,
+        state_std=traj.state_std,
+        reward_scale=cfg.data.reward_scale,
+        seed=cfg.eval.seed,
+    )
+    ref = configs.D4RL_REF[args.env]
     record = {
         "env": args.env,
         "dataset": args.dataset,
@@ -134,6 +150,10 @@ def main(argv=None) -> dict:
         "target_return": float(target),
         "return": float(np.mean(out.returns)),
         "episode_len": float(np.mean(out.lengths)),
+        "score": float(np.mean(ev.normalised(out.returns, ref))),
+        "stream_return": float(np.mean(streamed.returns)),
+        "stream_episode_len": float(np.mean(streamed.lengths)),
+        "stream_score": float(np.mean(ev.normalised(streamed.returns, ref))),
         "buckets": drift_by_timestep(window, stream, out.lengths, cfg.model.seq_len),
         "command": "python examples/offline_rl/drift.py " + " ".join(argv or sys.argv[1:]),
     }
