@@ -28,6 +28,7 @@ Shape notation: ``B`` episodes, ``A`` action size.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -115,30 +116,22 @@ def main(argv=None) -> dict:
     model = result.model
     nnx.update(model, result.params)
     target = train.targets(cfg, traj)[0][1]
-    policy = TeacherForcedStream(model, own.episodes, traj.obs_dim, traj.act_dim)
-    out = ev.rollout(
-        policy,
-        train.make_env_fn(args.env),
-        own.episodes,
+    play = functools.partial(
+        ev.rollout,
+        make_env=train.make_env_fn(args.env),
+        episodes=own.episodes,
         target_return=target,
         state_mean=traj.state_mean,
         state_std=traj.state_std,
         reward_scale=cfg.data.reward_scale,
         seed=cfg.eval.seed,
     )
+    policy = TeacherForcedStream(model, own.episodes, traj.obs_dim, traj.act_dim)
+    out = play(policy)
     window, stream = np.stack(policy.window_actions), np.stack(policy.stream_actions)
     # the same model streaming in closed loop, on the same episode seeds: what its own
     # actions, not the window's, make of the drift
-    streamed = ev.rollout(
-        ev.StreamPolicy(model),
-        train.make_env_fn(args.env),
-        own.episodes,
-        target_return=target,
-        state_mean=traj.state_mean,
-        state_std=traj.state_std,
-        reward_scale=cfg.data.reward_scale,
-        seed=cfg.eval.seed,
-    )
+    streamed = play(ev.StreamPolicy(model))
     ref = configs.D4RL_REF[args.env]
     record = {
         "env": args.env,
