@@ -149,12 +149,12 @@ class Block(SequenceModule):
         if not pre:
             x = norm1(x)
         h = norm2(x) if pre else x
-        x = x + self.dropout(per_token(self.mlp, h))
+        x = x + self.dropout(per_token(self._mlp, h))
         if not pre:
             x = norm2(x)
         return x, carry
 
-    def mlp(self, h: Array) -> Array:
+    def _mlp(self, h: Array) -> Array:
         """The MLP on tokens: ``mlp_out(activation(mlp_in(h)))``. [N, d] -> [N, d]"""
         return self.mlp_out(self.activation(self.mlp_in(h)))
 
