@@ -143,17 +143,17 @@ def add_shape_args(parser: argparse.ArgumentParser, blocks: bool = True) -> None
         parser.add_argument("--d-ff", type=int, default=1024, help="block MLP width")
 
 
-def interleaved(variants: dict, rounds: int, settle: int = 1) -> dict:
+def interleaved(variants: dict, rounds: int) -> dict:
     """Compiles, warms up and times every variant's forward and forward+backward.
 
     ``variants`` maps a name to ``(forward_fn, forward_backward_fn, inputs, extra)``: the
     forward runs on ``inputs``, the forward+backward on ``(*inputs, extra)`` (a cotangent or
     a target). Each is compiled (time recorded) and warmed up once, then all are timed once
     per round, interleaved round by round so that every variant sees the same noise. Each
-    timed call follows ``settle`` untimed calls of the same variant, so that it is not
-    charged for the previous variant's freed buffers and evicted caches: on a 2-core AMD EPYC
-    the forward floor timed straight after the kernel's forward+backward took 16.8 ms
-    against 7.6 ms after its own calls (N = 4,096, B=8, H=4, D=64). Returns
+    timed call follows an untimed call of the same variant, so that it is not charged for
+    the previous variant's freed buffers and evicted caches (on a 2-core AMD EPYC the
+    forward floor timed straight after the kernel's forward+backward took about twice its
+    own time in ``scan_profile.py``'s paired rounds). Returns
     ``{name: {kind: {"compile_s", "warmup_ms", "ms", "ms_per_round", "page_faults_per_call",
     "ratio_to_<first>"}}}`` with ``kind`` in ``forward``, ``forward_backward``; ratios are to
     the first variant. Page faults are the process's minor faults during the timed calls (a
@@ -173,8 +173,7 @@ def interleaved(variants: dict, rounds: int, settle: int = 1) -> dict:
     faults = dict.fromkeys(compiled, 0)
     for _ in range(rounds):
         for key, (exe, args) in compiled.items():
-            for _ in range(settle):
-                jax.block_until_ready(exe(*args))
+            jax.block_until_ready(exe(*args))  # settle: see the docstring
             before = page_faults()
             times[key].append(timed(exe, *args)[0])
             faults[key] += page_faults() - before
