@@ -192,3 +192,22 @@ def test_scan_benchmark_times_each_methods_own_gradient():
         jaxprs[method] = str(jax.make_jaxpr(gradient)(scores, values, cotangent))
     # each method's gradient is its own computation, not the last method's (late binding)
     assert jaxprs["associative"] != jaxprs["sequential"]
+
+
+def test_tangent_blocks_benchmark_traces_each_size_and_the_same_gradient(monkeypatch):
+    import tangent_blocks
+
+    monkeypatch.setattr(aj.scan, "TANGENT_BLOCK", aj.scan.TANGENT_BLOCK)  # restored after
+    table = tangent_blocks.variants(40, 1, 2, 3, (8, 32))
+    for size in (8, 32):
+        _, gradient, (scores, values), cotangent = table[f"blocked_tangent_{size}"]
+
+        def loss(s, v, g=cotangent):
+            return jnp.sum(aj.prefix_attention(s, v, method="sequential")[0] * g)
+
+        want = jax.grad(loss, argnums=(0, 1))(scores, values)
+        for g, w in zip(gradient(scores, values, cotangent), want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+        # the dense tangent weights have the size's shape: [B*H, blocks, S, S]
+        jaxpr = str(jax.make_jaxpr(gradient)(scores, values, cotangent))
+        assert f"f32[2,{-(-40 // size)},{size},{size}]" in jaxpr

@@ -52,6 +52,9 @@ DEFAULT_CHUNK_SIZE = 64
 # than the blocked kernel); below, every method takes under 0.2 ms and the associative
 # scan's forward was the fastest.
 BLOCKED_MIN_TOKENS = 16
+# Block size of the blocked kernel's tangent (dense TANGENT_BLOCK x TANGENT_BLOCK weights):
+# benchmarks/tangent_blocks.py timed 8, 16, 32 and 64 (results/tangent_blocks_cpu.json).
+TANGENT_BLOCK = 16
 
 
 class AttentionState(NamedTuple):
@@ -412,14 +415,8 @@ def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
     Returns:
       The state after each position of each block, counting that block only.
     """
-    chunk_size = blocks.m.shape[-1]
-    causal = np.tril(np.ones((chunk_size, chunk_size), dtype=bool))
     running_max = jax.lax.stop_gradient(jax.lax.cummax(blocks.m, axis=blocks.m.ndim - 1))
-    ref = _reference(running_max)
-    # weights[t, i] = exp(s_i - m_t) for i <= t; the exponent is masked before exp, so
-    # entries above the diagonal neither overflow nor leak gradient.
-    exponent = jnp.where(causal, blocks.m[..., None, :] - ref[..., :, None], -jnp.inf)
-    weights = jnp.exp(exponent)
+    weights = _causal_weights(blocks.m, _reference(running_max))
     u = jnp.einsum("...ti,...i->...t", weights, blocks.u)
     # A non-finite value would reach earlier positions of its block as 0 * nan through the
     # product: leave it out there, and make every position from it on NaN instead.
@@ -428,6 +425,17 @@ def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
     seen_bad = jax.lax.cummax((~finite).astype(jnp.int8), axis=finite.ndim - 2) > 0
     w = jnp.where(seen_bad, jnp.nan, w)
     return AttentionState(running_max, u, w)
+
+
+def _causal_weights(scores: Array, ref: Array) -> Array:
+    """``weights[..., t, i] = exp(s_i - ref_t)`` for ``i <= t``, else 0. [..., C, C]
+
+    The exponent is masked before ``exp``, so entries above the diagonal neither overflow
+    nor leak gradient. scores, ref: [..., C]
+    """
+    size = scores.shape[-1]
+    causal = np.tril(np.ones((size, size), dtype=bool))
+    return jnp.exp(jnp.where(causal, scores[..., None, :] - ref[..., :, None], -jnp.inf))
 
 
 def _prefix_states_single(leaves: AttentionState, init: AttentionState) -> AttentionState:
@@ -511,8 +519,8 @@ def prefix_attention(
         A compensated state (``init_state(..., compensated=True)``) gives a compensated
         final state. m [...], u [...], w [..., D]
       method: a named method, or ``"auto"`` (``resolve_method``: by backend and length):
-        ``"blocked"`` (a two-pass blocked kernel with a custom gradient that runs one
-        reverse pass; reverse-mode AD only), ``"associative"`` (``lax.associative_scan``,
+        ``"blocked"`` (a two-pass blocked kernel with a custom JVP: forward and reverse
+        mode, any order), ``"associative"`` (``lax.associative_scan``,
         O(log T) depth), ``"sequential"`` (``lax.scan`` of the one-token update),
         ``"chunked"`` (dense ``C x C`` blocks, state carried across blocks; paper App. A),
         ``"single"`` (one token: one ``combine``).
@@ -606,7 +614,15 @@ def checked_prefix_attention(
 #     d o_t = sum_i p_ti (dv_i + ds_i v_i) - o_t sum_i p_ti ds_i,
 # attention again, with the primal weights, over the tangent channels (ds_i, dv_i + ds_i v_i).
 # That is the JVP rule (forward mode); it is linear in the tangents, and JAX transposes it
-# into the backward pass: suffix sums with the same weights, one more blocked scan.
+# into the backward pass. The tangent is computed in blocks of TANGENT_BLOCK tokens: inside
+# a block, p_ti is a dense matrix (a batched matmul, from the primal's running max and sum at
+# every position); across blocks, pass 1 and the scan over block totals carry the tangent
+# sums. Matmuls, elementwise ops and one short scan transpose into the same again, so the
+# backward pass reads and writes each array in its own layout; the tangent as a
+# position-by-position scan transposed into copies to and from position-major layout, and
+# the gradient took twice the time (results/blocked_gradient_tangent_blocks_cpu_amd.json).
+# The weights come from the running max and sum, exp(s_i - m_t) / u_t, not from a rounded
+# log-normaliser exp(s_i - log_norm_t): at scores near 1e4 that one is 1e-3 off.
 
 
 def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
@@ -671,7 +687,7 @@ def _scale_channel(channel: Array, scale: Array) -> Array:
     return channel * (scale if channel.ndim == scale.ndim else scale[..., None])
 
 
-def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chunk_size, in_place):
+def _two_pass_scan(scores, channels, init_m, init_channels, readout, chunk_size):
     """Blocked prefix sums ``sum_{i<=t} exp(s_i - m_t) c_i``, read out at every position.
 
     Args:
@@ -679,13 +695,9 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
       channels: per-token quantities to accumulate. tuple of [..., T] or [..., T, K]
       init_m: running max of the state before the first token. [...]
       init_channels: that state's channel sums, relative to ``init_m``. tuple of [...(, K)]
-      extras: per-token arrays handed to ``readout``. tuple of [..., T(, *)]
-      readout: ``f(m, channel_sums, extras) -> tuple of outputs`` for one position of every
-        block; arrays there are [..., N(, *)].
+      readout: ``f(ref, channel_sums) -> tuple of outputs`` for one position of every
+        block, the sums relative to ``ref``; arrays there are [..., N(, *)].
       chunk_size: block size C.
-      in_place: pass 2 as a loop writing its outputs in place (the fastest forward pass), or
-        as a ``lax.scan`` over positions whose transpose JAX derives cheaply (the tangent:
-        in place, its transpose would add a full-size cotangent per position).
 
     Returns:
       ``(outputs, (final_m, final_channels))``: readout at every position, [..., T(, *)],
@@ -697,43 +709,26 @@ def _two_pass_scan(scores, channels, init_m, init_channels, extras, readout, chu
     blocked = functools.partial(
         _to_blocks, batch_ndim=batch_ndim, num_blocks=num_blocks, chunk_size=chunk_size
     )
-    # Padding tokens are identities: score -inf, zero channels, extras -inf (a log-normaliser
-    # of "nothing attended"); their outputs are dropped, and their cotangents are 0.
+    # Padding tokens are identities (score -inf, zero channels); their outputs are dropped.
     score_blocks = blocked(scores, fill=-jnp.inf)
     channel_blocks = tuple(blocked(c) for c in channels)
-    extra_blocks = tuple(blocked(x, fill=-jnp.inf) for x in extras)
 
     start_m, start_sums, final_m, final_sums = _block_starts(
         score_blocks, channel_blocks, init_m, tuple(init_channels)
     )
-
     # Pass 2: every block's C positions in lockstep.
-    position_axis = batch_ndim + 1
-    if in_place:
-        outputs = _positions_in_place(
-            readout, start_m, start_sums, score_blocks, channel_blocks, extra_blocks
-        )
-    else:
-
-        def position(state, token):
-            score, chans, extra = token
-            next_m, ref, sums = _merge_sums(*state, score, chans)
-            # the readout sees the sums' reference point, which carries no gradient
-            return (next_m, sums), readout(ref, sums, extra)
-
-        tokens = jax.tree.map(
-            lambda x: jnp.moveaxis(x, position_axis, 0),
-            (score_blocks, channel_blocks, extra_blocks),
-        )
-        _, outputs = jax.lax.scan(position, (start_m, start_sums), tokens)
-        outputs = tuple(jnp.moveaxis(o, 0, position_axis) for o in outputs)
-    outputs = tuple(
-        o.reshape(*o.shape[:batch_ndim], num_blocks * chunk_size, *o.shape[batch_ndim + 2 :])[
-            (slice(None),) * batch_ndim + (slice(0, num_tokens),)
-        ]
-        for o in outputs
-    )
+    outputs = _positions_in_place(readout, start_m, start_sums, score_blocks, channel_blocks)
+    outputs = tuple(_from_blocks(o, batch_ndim, num_tokens) for o in outputs)
     return outputs, (final_m, final_sums)
+
+
+def _from_blocks(x: Array, batch_ndim: int, num_tokens: int) -> Array:
+    """[..., N, C, *rest] -> [..., T, *rest], dropping the padding at the end of time."""
+    shape = x.shape
+    x = x.reshape(
+        *shape[:batch_ndim], shape[batch_ndim] * shape[batch_ndim + 1], *shape[batch_ndim + 2 :]
+    )
+    return x[(slice(None),) * batch_ndim + (slice(0, num_tokens),)]
 
 
 def _merge_sums(m, sums, new_max, new_sums):
@@ -775,12 +770,12 @@ def _block_starts(score_blocks, channel_blocks, init_m, init_channels):
     return start_m, start_sums, final_m, final_sums
 
 
-def _positions_in_place(readout, start_m, start_sums, scores, channels, extras):
+def _positions_in_place(readout, start_m, start_sums, scores, channels):
     """Pass 2 as a ``fori_loop`` over the C positions, writing [..., N, C, *] in place."""
     position_axis = scores.ndim - 1
     chunk_size = scores.shape[-1]
     take = functools.partial(jax.lax.dynamic_index_in_dim, axis=position_axis, keepdims=False)
-    example = jax.eval_shape(readout, start_m, start_sums, tuple(take(x, 0) for x in extras))
+    example = jax.eval_shape(readout, start_m, start_sums)
     outputs = tuple(
         jnp.zeros((*o.shape[:position_axis], chunk_size, *o.shape[position_axis:]), o.dtype)
         for o in example
@@ -791,7 +786,7 @@ def _positions_in_place(readout, start_m, start_sums, scores, channels, extras):
         next_m, ref, sums = _merge_sums(
             m, sums, take(scores, c), tuple(take(x, c) for x in channels)
         )
-        values = readout(ref, sums, tuple(take(x, c) for x in extras))
+        values = readout(ref, sums)
         outs = tuple(
             jax.lax.dynamic_update_index_in_dim(o, v, c, position_axis)
             for o, v in zip(outs, values, strict=True)
@@ -801,38 +796,30 @@ def _positions_in_place(readout, start_m, start_sums, scores, channels, extras):
     return jax.lax.fori_loop(0, chunk_size, position, (start_m, start_sums, outputs))[2]
 
 
-def _forward_readout(ref, sums, extras):
-    del extras
+def _forward_readout(ref, sums):
+    """The output at a position, and the running max and sum it came from (the tangent's
+    weights): ``(o [..., D], ref [...], u [...])``, u relative to ref."""
     u, w = sums
-    seen = u != 0
-    log_norm = jnp.where(seen, ref + jnp.log(jnp.where(seen, u, 1.0)), -jnp.inf)
-    return readout(AttentionState(ref, u, w)), log_norm
-
-
-def _tangent_readout(ref, sums, extras):
-    """Tangent sums over the primal denominator: ``sums / u`` (0 where nothing attended)."""
-    (log_norm,) = extras
-    inverse_u = jnp.where(jnp.isneginf(log_norm), 0.0, jnp.exp(ref - log_norm))
-    return tuple(_scale_channel(x, inverse_u) for x in sums)
+    return readout(AttentionState(ref, u, w)), ref, u
 
 
 def _blocked_forward(scores, values, valid, init, chunk_size):
-    (outputs, log_norm), (m, (u, w)) = _two_pass_scan(
+    """Outputs [B, T, D], the final state, and the running max and sum at every position,
+    ref [B, T] and u [B, T] (u relative to ref)."""
+    (outputs, ref, u), (m, (final_u, final_w)) = _two_pass_scan(
         jnp.where(valid, scores, -jnp.inf),
         (valid.astype(scores.dtype), values),
         init.m,
         (init.u, init.w),
-        (),
         _forward_readout,
         chunk_size,
-        in_place=True,
     )
-    return outputs, AttentionState(m, u, w), log_norm
+    return outputs, AttentionState(m, final_u, final_w), ref, u
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _blocked_attention(scores, values, valid, init, chunk_size):
-    outputs, final, _ = _blocked_forward(scores, values, valid, init, chunk_size)
+    outputs, final, _, _ = _blocked_forward(scores, values, valid, init, chunk_size)
     return outputs, final
 
 
@@ -842,23 +829,44 @@ def _blocked_jvp(chunk_size, primals, tangents):
 
     With ``p_ti = exp(s_i - m_t) / u_t``: ``d o_t = sum_i p_ti (dv_i + ds_i v_i) - o_t
     sum_i p_ti ds_i``, the initial state entering as one more token. It is linear in the
-    tangents with primal weights, so JAX transposes it into the backward pass (a blocked
-    scan of the same shape) and forward mode (``jax.jvp``, ``jax.hessian``) works too. The
-    running max carries no tangent, as everywhere in this module.
+    tangents with primal weights, so JAX transposes it into the backward pass and forward
+    mode (``jax.jvp``, ``jax.hessian``) works too. The running max carries no tangent, as
+    everywhere in this module.
     """
     scores, values, valid, init = primals
     d_scores, d_values, _, d_init = tangents
-    outputs, final, log_norm = _blocked_forward(scores, values, valid, init, chunk_size)
+    outputs, final, ref, u = _blocked_forward(scores, values, valid, init, chunk_size)
+    scores = jnp.where(valid, scores, -jnp.inf)
     d_scores = jnp.where(valid, d_scores, jnp.zeros((), d_scores.dtype))
-    (d_u_norm, d_w_norm), (_, (d_u, d_w)) = _two_pass_scan(
-        jnp.where(valid, scores, -jnp.inf),
-        (d_scores, d_values + d_scores[..., None] * values),
-        init.m,
-        (d_init.u, d_init.w),
-        (log_norm,),
-        _tangent_readout,
-        chunk_size,
-        in_place=False,
+    channels = (d_scores, d_values + d_scores[..., None] * values)
+
+    num_tokens = scores.shape[-1]
+    num_blocks = -(-num_tokens // TANGENT_BLOCK)
+    blocked = functools.partial(
+        _to_blocks, batch_ndim=1, num_blocks=num_blocks, chunk_size=TANGENT_BLOCK
     )
-    d_outputs = d_w_norm - outputs * d_u_norm[..., None]
-    return (outputs, final), (d_outputs, AttentionState(jnp.zeros_like(final.m), d_u, d_w))
+    # Padding tokens: score -inf, zero channels; as positions, a reference of +inf and
+    # nothing attended (u = 0), so that their weights are exactly 0. Dropped below.
+    score_blocks = blocked(scores, fill=-jnp.inf)
+    channel_blocks = tuple(blocked(c) for c in channels)
+    start_m, (start_du, start_dw), _, (final_du, final_dw) = _block_starts(
+        score_blocks, channel_blocks, init.m, (d_init.u, d_init.w)
+    )
+    ref, u = blocked(ref, fill=jnp.inf), blocked(u)
+    seen = u > 0
+    inverse_u = jnp.where(seen, 1.0 / jnp.where(seen, u, 1.0), 0.0)
+    # p_ti inside each block [B, N, C, C], and the weight of the state before it [B, N, C]
+    weights = _causal_weights(score_blocks, ref) * inverse_u[..., None]
+    start_weight = jnp.exp(start_m[..., None] - ref) * inverse_u
+    d_u_norm = jnp.einsum("...ti,...i->...t", weights, channel_blocks[0])
+    d_u_norm = d_u_norm + start_weight * start_du[..., None]
+    d_w_norm = jnp.einsum("...ti,...id->...td", weights, channel_blocks[1])
+    d_w_norm = d_w_norm + start_weight[..., None] * start_dw[..., None, :]
+    d_outputs = (
+        _from_blocks(d_w_norm, 1, num_tokens)
+        - outputs * _from_blocks(d_u_norm, 1, num_tokens)[..., None]
+    )
+    return (outputs, final), (
+        d_outputs,
+        AttentionState(jnp.zeros_like(final.m), final_du, final_dw),
+    )
