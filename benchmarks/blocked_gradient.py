@@ -6,7 +6,8 @@
 Loads ``src/aaren_jax/scan.py`` of ``--before`` (from git) and of this tree as two modules
 and times, for each N, ``prefix_attention(..., method="blocked")`` forward and
 ``jax.grad`` of ``sum(outputs * g)`` with respect to scores and values, alternating the two
-revisions round by round, so that both see the same machine noise (this machine is shared).
+revisions round by round, so that both see the same machine noise (this machine is shared);
+each timed call follows an untimed one of the same function (``_common.interleaved``).
 Reports per-round times, medians and the ratio this / before, and the largest difference of
 the two gradients. Writes ``results/blocked_gradient_<backend>.json``.
 """
@@ -38,15 +39,23 @@ def load_scan(source: str, name: str):
 
 
 def functions(scan, scores, values, cotangent, method="blocked"):
+    """Compiled forward and gradient, each taking its inputs as arguments: a cotangent
+    closed over would be a compile-time constant, and XLA would fold work on it (its
+    transposes into another layout) into the executable instead of timing it."""
+
     def forward(s, v):
         return scan.prefix_attention(s, v, method=method)[0]
 
-    def loss(s, v):
-        return (scan.prefix_attention(s, v, method=method)[0] * cotangent).sum()
+    def gradient(s, v, g):
+        loss = lambda s, v: (forward(s, v) * g).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(s, v)
 
     return {
-        "forward": jax.jit(forward).lower(scores, values).compile(),
-        "gradient": jax.jit(jax.grad(loss, argnums=(0, 1))).lower(scores, values).compile(),
+        "forward": (jax.jit(forward).lower(scores, values).compile(), (scores, values)),
+        "gradient": (
+            jax.jit(gradient).lower(scores, values, cotangent).compile(),
+            (scores, values, cotangent),
+        ),
     }
 
 
@@ -97,7 +106,7 @@ def main(argv=None) -> dict:
             name: functions(scan, scores, values, cotangent, methods[name])
             for name, scan in revisions.items()
         }
-        grads = {name: fns["gradient"](scores, values) for name, fns in compiled.items()}
+        grads = {name: fns["gradient"][0](*fns["gradient"][1]) for name, fns in compiled.items()}
         difference = max(
             float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
             for a, b in zip(grads["before"], grads["after"], strict=True)
@@ -106,7 +115,9 @@ def main(argv=None) -> dict:
         for _ in range(args.rounds + 1):  # the first round is a warm-up
             for kind in ("forward", "gradient"):
                 for rev, fns in compiled.items():
-                    times[rev, kind].append(timed(fns[kind], scores, values)[0] * 1e3)
+                    fn, fn_args = fns[kind]
+                    jax.block_until_ready(fn(*fn_args))  # settle, as _common.interleaved
+                    times[rev, kind].append(timed(fn, *fn_args)[0] * 1e3)
         entry = {"max_gradient_difference": difference}
         for kind in ("forward", "gradient"):
             before, after = times["before", kind][1:], times["after", kind][1:]
