@@ -862,10 +862,7 @@ def _blocked_jvp(chunk_size, primals, tangents):
     d_u_norm = d_u_norm + start_weight * start_du[..., None]
     d_w_norm = jnp.einsum("...ti,...id->...td", weights, channel_blocks[1])
     d_w_norm = d_w_norm + start_weight[..., None] * start_dw[..., None, :]
-    d_outputs = (
-        _from_blocks(d_w_norm, 1, num_tokens)
-        - outputs * _from_blocks(d_u_norm, 1, num_tokens)[..., None]
-    )
+    d_outputs = _from_blocks(d_w_norm - blocked(outputs) * d_u_norm[..., None], 1, num_tokens)
     return (outputs, final), (
         d_outputs,
         AttentionState(jnp.zeros_like(final.m), final_du, final_dw),
