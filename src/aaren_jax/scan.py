@@ -796,30 +796,35 @@ def _positions_in_place(readout, start_m, start_sums, scores, channels):
     return jax.lax.fori_loop(0, chunk_size, position, (start_m, start_sums, outputs))[2]
 
 
-def _forward_readout(ref, sums):
+def _output_readout(ref, sums):
+    """The output at a position: ``(o [..., D],)``."""
+    u, w = sums
+    return (readout(AttentionState(ref, u, w)),)
+
+
+def _weights_readout(ref, sums):
     """The output at a position, and the running max and sum it came from (the tangent's
     weights): ``(o [..., D], ref [...], u [...])``, u relative to ref."""
-    u, w = sums
-    return readout(AttentionState(ref, u, w)), ref, u
+    return (*_output_readout(ref, sums), ref, sums[0])
 
 
-def _blocked_forward(scores, values, valid, init, chunk_size):
-    """Outputs [B, T, D], the final state, and the running max and sum at every position,
-    ref [B, T] and u [B, T] (u relative to ref)."""
-    (outputs, ref, u), (m, (final_u, final_w)) = _two_pass_scan(
+def _blocked_forward(scores, values, valid, init, chunk_size, readout_fn):
+    """``readout_fn`` at every position, [B, T, *] each, and the final state."""
+    outputs, (m, (final_u, final_w)) = _two_pass_scan(
         jnp.where(valid, scores, -jnp.inf),
         (valid.astype(scores.dtype), values),
         init.m,
         (init.u, init.w),
-        _forward_readout,
+        readout_fn,
         chunk_size,
     )
-    return outputs, AttentionState(m, final_u, final_w), ref, u
+    return outputs, AttentionState(m, final_u, final_w)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _blocked_attention(scores, values, valid, init, chunk_size):
-    outputs, final, _, _ = _blocked_forward(scores, values, valid, init, chunk_size)
+    # without derivatives, pass 2 writes the outputs alone
+    (outputs,), final = _blocked_forward(scores, values, valid, init, chunk_size, _output_readout)
     return outputs, final
 
 
@@ -835,7 +840,9 @@ def _blocked_jvp(chunk_size, primals, tangents):
     """
     scores, values, valid, init = primals
     d_scores, d_values, _, d_init = tangents
-    outputs, final, ref, u = _blocked_forward(scores, values, valid, init, chunk_size)
+    (outputs, ref, u), final = _blocked_forward(
+        scores, values, valid, init, chunk_size, _weights_readout
+    )
     scores = jnp.where(valid, scores, -jnp.inf)
     d_scores = jnp.where(valid, d_scores, jnp.zeros((), d_scores.dtype))
     channels = (d_scores, d_values + d_scores[..., None] * values)
