@@ -37,22 +37,30 @@ METHODS = ("auto", "blocked", "associative", "sequential", "chunked")
 
 def variants(length, batch, heads, dim, methods) -> dict:
     """``_common.interleaved``'s table: the floors, then each method's forward and gradient."""
+
+    def forward_of(method):
+        return lambda s, v: aj.prefix_attention(s, v, method=method)[0]
+
+    return variants_of({m: forward_of(m) for m in methods}, length, batch, heads, dim)
+
+
+def variants_of(forwards: dict, length, batch, heads, dim) -> dict:
+    """The floors, then for each ``name: forward(scores, values) -> outputs`` its forward and
+    the gradient of ``sum(outputs * g)`` with respect to scores and values: scores [B, H, N]
+    (normal x 2), values and the cotangent g [B, H, N, D]."""
     keys = jax.random.split(jax.random.key(length), 3)
     scores = jax.random.normal(keys[0], (batch, heads, length)) * 2
     values = jax.random.normal(keys[1], (batch, heads, length, dim))
     cotangent = jax.random.normal(keys[2], (batch, heads, length, dim))
 
     table = {"floor": (floor_forward, floor_forward_backward, (values, cotangent), values)}
-    for method in methods:
-
-        def forward(s, v, method=method):
-            return aj.prefix_attention(s, v, method=method)[0]
+    for name, forward in forwards.items():
 
         def gradient(s, v, g, forward=forward):
             loss = lambda s, v: jnp.sum(forward(s, v) * g)  # noqa: E731
             return jax.grad(loss, argnums=(0, 1))(s, v)
 
-        table[method] = (forward, gradient, (scores, values), cotangent)
+        table[name] = (forward, gradient, (scores, values), cotangent)
     return table
 
 

@@ -18,39 +18,26 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-from _common import (
-    REPO,
-    add_shape_args,
-    floor_forward,
-    floor_forward_backward,
-    interleaved,
-    machine_info,
-    write_json,
-)
+from _common import REPO, add_shape_args, interleaved, machine_info, write_json
+from scan import variants_of
 
 import aaren_jax as aj
 from aaren_jax import scan as scan_core
 
 
 def variants(length, batch, heads, dim, sizes) -> dict:
-    keys = jax.random.split(jax.random.key(length), 3)
-    scores = jax.random.normal(keys[0], (batch, heads, length)) * 2
-    values = jax.random.normal(keys[1], (batch, heads, length, dim))
-    cotangent = jax.random.normal(keys[2], (batch, heads, length, dim))
-    table = {"floor": (floor_forward, floor_forward_backward, (values, cotangent), values)}
-    for size in sizes:
+    """``_common.interleaved``'s table: the floors, then the blocked kernel at each size."""
 
+    def forward_of(size):
         def forward(s, v):
+            # read when the JVP rule is traced, which is during this call under jax.grad
+            scan_core.TANGENT_BLOCK = size
             return aj.prefix_attention(s, v, method="blocked")[0]
 
-        def gradient(s, v, g, size=size):
-            scan_core.TANGENT_BLOCK = size  # read when the JVP rule is traced, here
-            loss = lambda s, v: jnp.sum(forward(s, v) * g)  # noqa: E731
-            return jax.grad(loss, argnums=(0, 1))(s, v)
+        return forward
 
-        table[f"blocked_tangent_{size}"] = (forward, gradient, (scores, values), cotangent)
-    return table
+    forwards = {f"blocked_tangent_{size}": forward_of(size) for size in sizes}
+    return variants_of(forwards, length, batch, heads, dim)
 
 
 def main(argv=None) -> dict:

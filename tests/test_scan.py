@@ -328,32 +328,36 @@ def _dense_reference(scores, values, mask):
     return jnp.where(den > 0, (e @ values) / jnp.where(den > 0, den, 1.0), 0.0)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_gradients_match_float64_dense_softmax(method):
-    rng = np.random.default_rng(8)
-    masks = mask_kinds(rng, (12,))
-    scores_np = rng.normal(size=masks.shape) * 3
-    values_np = rng.normal(size=(*masks.shape, 4))
-    cot = rng.normal(size=values_np.shape)
+def _gradients_and_float64(scores_np, values_np, mask, method, chunk_size):
+    """Gradients of ``sum(outputs * cot)`` with respect to scores and values: the method's
+    in float32, and the dense softmax's in float64."""
+    cot = np.random.default_rng(0).normal(size=values_np.shape)
 
     def loss(fn, s, v):
         return jnp.sum(fn(s, v) * cot)
 
     with jax.enable_x64(True):
         expected = jax.grad(
-            functools.partial(loss, lambda s, v: _dense_reference(s, v, masks)), (0, 1)
+            functools.partial(loss, lambda s, v: _dense_reference(s, v, mask)), (0, 1)
         )(jnp.float64(scores_np), jnp.float64(values_np))
-    got = jax.jit(
-        jax.grad(
-            functools.partial(
-                loss,
-                lambda s, v: aj.prefix_attention(s, v, masks, method=method, chunk_size=5)[0],
-            ),
-            (0, 1),
-        )
-    )(jnp.float32(scores_np), jnp.float32(values_np))
+    forward = functools.partial(
+        aj.prefix_attention, mask=mask, method=method, chunk_size=chunk_size
+    )
+    got = jax.jit(jax.grad(functools.partial(loss, lambda s, v: forward(s, v)[0]), (0, 1)))(
+        jnp.float32(scores_np), jnp.float32(values_np)
+    )
+    return got, tuple(np.asarray(e) for e in expected)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_match_float64_dense_softmax(method):
+    rng = np.random.default_rng(8)
+    masks = mask_kinds(rng, (12,))
+    scores_np = rng.normal(size=masks.shape) * 3
+    values_np = rng.normal(size=(*masks.shape, 4))
+    got, expected = _gradients_and_float64(scores_np, values_np, masks, method, 5)
     for g, e in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, np.asarray(e), atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(g, e, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -365,26 +369,9 @@ def test_gradients_at_huge_scores_match_float64(method, offset):
     rng = np.random.default_rng(11)
     scores_np = np.float32(offset + rng.normal(size=(3, 37)) * 30)
     values_np = np.float32(rng.normal(size=(3, 37, 4)))
-    cot = rng.normal(size=values_np.shape)
     mask = np.ones(scores_np.shape, bool)
-
-    def loss(fn, s, v):
-        return jnp.sum(fn(s, v) * cot)
-
-    with jax.enable_x64(True):
-        expected = jax.grad(
-            functools.partial(loss, lambda s, v: _dense_reference(s, v, mask)), (0, 1)
-        )(jnp.float64(scores_np), jnp.float64(values_np))
-    got = jax.jit(
-        jax.grad(
-            functools.partial(
-                loss, lambda s, v: aj.prefix_attention(s, v, method=method, chunk_size=8)[0]
-            ),
-            (0, 1),
-        )
-    )(jnp.asarray(scores_np), jnp.asarray(values_np))
+    got, expected = _gradients_and_float64(scores_np, values_np, mask, method, 8)
     for g, e in zip(got, expected, strict=True):
-        e = np.asarray(e)
         # every method is within 1.6e-5 of the largest entry; weights from the rounded
         # log-normaliser were 2e-4 off (the blocked kernel's tangent at 81f8cb9)
         assert np.abs(np.asarray(g, np.float64) - e).max() < 5e-5 * np.abs(e).max()
