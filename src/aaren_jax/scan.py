@@ -860,7 +860,7 @@ def _blocked_jvp(chunk_size, primals, tangents):
         score_blocks, channel_blocks, init.m, (d_init.u, d_init.w)
     )
     ref, u = blocked(ref, fill=jnp.inf), blocked(u)
-    seen = u > 0
+    seen = u != 0  # as readout: a NaN sum is never read as "nothing attended"
     inverse_u = jnp.where(seen, 1.0 / jnp.where(seen, u, 1.0), 0.0)
     # p_ti inside each block [B, N, C, C], and the weight of the state before it [B, N, C]
     weights = _causal_weights(score_blocks, ref) * inverse_u[..., None]
