@@ -427,14 +427,17 @@ def _dense_block_prefixes(blocks: AttentionState) -> AttentionState:
     return AttentionState(running_max, u, w)
 
 
-def _causal_weights(scores: Array, ref: Array) -> Array:
+def _causal_weights(scores: Array, ref: Array, by_source: bool = False) -> Array:
     """``weights[..., t, i] = exp(s_i - ref_t)`` for ``i <= t``, else 0. [..., C, C]
 
-    The exponent is masked before ``exp``, so entries above the diagonal neither overflow
-    nor leak gradient. scores, ref: [..., C]
+    ``by_source`` stores the same matrix as ``[..., i, t]``. The exponent is masked before
+    ``exp``, so entries above the diagonal neither overflow nor leak gradient.
+    scores, ref: [..., C]
     """
     size = scores.shape[-1]
     causal = np.tril(np.ones((size, size), dtype=bool))
+    if by_source:
+        return jnp.exp(jnp.where(causal.T, scores[..., :, None] - ref[..., None, :], -jnp.inf))
     return jnp.exp(jnp.where(causal, scores[..., None, :] - ref[..., :, None], -jnp.inf))
 
 
@@ -862,12 +865,13 @@ def _blocked_jvp(chunk_size, primals, tangents):
     ref, u = blocked(ref, fill=jnp.inf), blocked(u)
     seen = u != 0  # as readout: a NaN sum is never read as "nothing attended"
     inverse_u = jnp.where(seen, 1.0 / jnp.where(seen, u, 1.0), 0.0)
-    # p_ti inside each block [B, N, C, C], and the weight of the state before it [B, N, C]
-    weights = _causal_weights(score_blocks, ref) * inverse_u[..., None]
+    # p_ti inside each block, stored [B, N, C(i), C(t)], and the weight of the state before
+    # it [B, N, C]
+    weights = _causal_weights(score_blocks, ref, by_source=True) * inverse_u[..., None, :]
     start_weight = jnp.exp(start_m[..., None] - ref) * inverse_u
-    d_u_norm = jnp.einsum("...ti,...i->...t", weights, channel_blocks[0])
+    d_u_norm = jnp.einsum("...it,...i->...t", weights, channel_blocks[0])
     d_u_norm = d_u_norm + start_weight * start_du[..., None]
-    d_w_norm = jnp.einsum("...ti,...id->...td", weights, channel_blocks[1])
+    d_w_norm = jnp.einsum("...it,...id->...td", weights, channel_blocks[1])
     d_w_norm = d_w_norm + start_weight[..., None] * start_dw[..., None, :]
     d_outputs = _from_blocks(d_w_norm - blocked(outputs) * d_u_norm[..., None], 1, num_tokens)
     return (outputs, final), (
