@@ -868,8 +868,9 @@ def _blocked_jvp(chunk_size, primals, tangents):
     # p_ti inside each block, stored source-major [B, N, C(i), C(t)] so that the backward
     # pass's dv = P^T g is a plain matmul (stored [t, i], XLA's CPU backend ran that
     # transposed-operand batched dot as an unfused `dot`, a third of the gradient, which
-    # took 1.2x the time: results/blocked_gradient_source_major_cpu_amd.json); and the
-    # weight of the state before the block [B, N, C]
+    # took 1.2x the time: results/blocked_gradient_source_major_cpu_amd.json; computed
+    # [t, i] and swapped, it was as slow); and the weight of the state before the block
+    # [B, N, C]
     weights = _causal_weights(score_blocks, ref, by_source=True) * inverse_u[..., None, :]
     start_weight = jnp.exp(start_m[..., None] - ref) * inverse_u
     d_u_norm = jnp.einsum("...it,...i->...t", weights, channel_blocks[0])
