@@ -211,3 +211,20 @@ def test_tangent_blocks_benchmark_traces_each_size_and_the_same_gradient(monkeyp
         # the dense tangent weights have the size's shape: [B*H, blocks, S, S]
         jaxpr = str(jax.make_jaxpr(gradient)(scores, values, cotangent))
         assert f"f32[2,{-(-40 // size)},{size},{size}]" in jaxpr
+
+
+def test_decision_step_benchmark_times_every_policy_and_the_environment(tmp_path):
+    pytest.importorskip("gymnasium")
+    pytest.importorskip("mujoco")
+    import decision_step
+
+    out = decision_step.main(["--steps", "3", "--rounds", "2", "--out", str(tmp_path / "d.json")])
+    results = out["results"]
+    assert set(results) == {*decision_step.POLICIES, "env"}
+    for name, row in results.items():
+        assert len(row["ms_per_step_per_round"]) == 2 and row["ms_per_step_median"] > 0
+        assert list(row["ms_per_step_by_range"]) == ["0-2"]
+        if name != "env":
+            assert len(row["ratio_to_transformer_window_per_round"]) == 2
+    assert results["transformer_window"]["ratio_to_transformer_window_median"] == 1.0
+    assert out["model"]["cache_tokens"] == 3 * 1000 and out["machine"]["cpu_model"]
