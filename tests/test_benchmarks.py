@@ -224,7 +224,13 @@ def test_decision_step_benchmark_times_every_policy_and_the_environment(tmp_path
     for name, row in results.items():
         assert len(row["ms_per_step_per_round"]) == 2 and row["ms_per_step_median"] > 0
         assert list(row["ms_per_step_by_range"]) == ["0-2"]
-        if name != "env":
-            assert len(row["ratio_to_transformer_window_per_round"]) == 2
+        if name != "env":  # the ratios and totals agree with the per-round means
+            base = results["transformer_window"]["ms_per_step_per_round"]
+            want = [m / b for m, b in zip(row["ms_per_step_per_round"], base, strict=True)]
+            ratios = row["ratio_to_transformer_window_per_round"]
+            np.testing.assert_allclose(ratios, want, atol=2e-3)
+            env = results["env"]["ms_per_step_per_round"]
+            totals = [m + e for m, e in zip(row["ms_per_step_per_round"], env, strict=True)]
+            assert row["with_env_ms_per_step_median"] == pytest.approx(np.median(totals), abs=1e-3)
     assert results["transformer_window"]["ratio_to_transformer_window_median"] == 1.0
     assert out["model"]["cache_tokens"] == 3 * 1000 and out["machine"]["cpu_model"]
