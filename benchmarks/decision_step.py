@@ -157,17 +157,15 @@ def main(argv=None) -> dict:
     env.close()
 
     results = {name: summarise(ts) for name, ts in times.items()}
+    base, env_s = times["transformer_window"], [ts.mean() for ts in times["env"]]
     for name in POLICIES:
-        row, base = results[name], times["transformer_window"]
-        results[name]["compile_and_first_calls_s"] = compile_s[name]
-        ratios = [a.mean() / b.mean() for a, b in zip(times[name], base, strict=True)]
+        row, model_s = results[name], [ts.mean() for ts in times[name]]
+        row["compile_and_first_calls_s"] = compile_s[name]
+        ratios = [m / b.mean() for m, b in zip(model_s, base, strict=True)]
         row["ratio_to_transformer_window_per_round"] = [round(float(x), 3) for x in ratios]
         row["ratio_to_transformer_window_median"] = round(float(statistics.median(ratios)), 3)
-        env_ms = [1e3 * float(ts.mean()) for ts in times["env"]]
-        model_ms = row["ms_per_step_per_round"]
-        row["with_env_ms_per_step_median"] = round(
-            statistics.median(m + e for m, e in zip(model_ms, env_ms, strict=True)), 4
-        )
+        totals = [1e3 * float(m + e) for m, e in zip(model_s, env_s, strict=True)]
+        row["with_env_ms_per_step_median"] = round(statistics.median(totals), 4)
     out = {
         "benchmark": "decision_step",
         "command": "python benchmarks/decision_step.py " + " ".join(argv or sys.argv[1:]),
