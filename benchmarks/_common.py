@@ -22,6 +22,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from aaren_jax import native
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -100,6 +102,8 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "transparent_hugepages": transparent_hugepages(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        # what "auto" runs on CPU: the compiled scan, or why not ("blocked" then)
+        "native_scan": native.unavailable_reason() or "available",
     }
 
 

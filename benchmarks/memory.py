@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from _common import REPO, add_shape_args, machine_info, tree_bytes, write_json
 
-METHODS = ("blocked", "associative", "sequential", "chunked")
+METHODS = ("native", "blocked", "associative", "sequential", "chunked")
 BLOCKS = ("aaren_block", "transformer_block")
 MiB = 2**20
 

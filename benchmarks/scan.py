@@ -32,7 +32,7 @@ from _common import (
 
 import aaren_jax as aj
 
-METHODS = ("auto", "blocked", "associative", "sequential", "chunked")
+METHODS = ("auto", "native", "blocked", "associative", "sequential", "chunked")
 
 
 def variants(length, batch, heads, dim, methods) -> dict:

@@ -3,7 +3,8 @@
     python benchmarks/scan_profile.py                  # B=8, H=4, D=64, N in {4096, 16384}
     python benchmarks/scan_profile.py --quick          # N = 1024, 3 rounds
 
-The blocked kernel (``method="auto"`` on CPU) moves, per forward pass, these value-sized
+The blocked kernel (``method="blocked"``, what ``"auto"`` ran on CPU before the compiled scan,
+``"native"``) moves, per forward pass, these value-sized
 arrays: pass 1 reads the values (block totals), the output buffer is zero-filled before the
 in-place loop, pass 2 reads the values again and writes the outputs. The floor
 (``a * b + a``) moves 3; a kernel that reads the values once and writes the outputs once
@@ -16,13 +17,15 @@ Timed here, interleaved round by round (``_common.interleaved``, forward only):
   of one pass);
 * ``write_one``: one value-sized array written from a score-sized one (1 array written);
 * ``pass1``: the kernel's pass 1 and its scan across blocks, alone (``_block_starts``);
-* ``kernel``: the whole forward, ``prefix_attention`` at the default method;
+* ``kernel``: the whole forward, ``prefix_attention(method="blocked")``;
 * ``kernel_batch1``: the same number of tokens as one ``[1, H * B, N]`` batch (the shape a
   batch of one long sequence gives);
 * ``minimal_loop_strided`` and ``minimal_loop_contiguous``: the least a pass-2 loop can do
   (each value read once, one multiply-add, each output written in place), in the kernel's
   layout (each position a strided slice) and in a time-major one (each position
   contiguous): what XLA's in-place loop costs by itself, the bound on any kernel built on it;
+* ``native``: the compiled scan (``method="native"``, the default on CPU since 2026-11-25),
+  which reads the values once and writes the outputs once, outside XLA's loops;
 * ``scores_from_keys`` and ``scores_folded``: the Aaren layer's scores from its input
   ``x`` [B, N, H * D], by forming the keys ``x W_k`` and reducing them against the query
   (the layer until 2026-11-24), and with the query folded into the key projection
@@ -117,7 +120,10 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
     value_blocks = flat_values.reshape(-1, length // chunk, chunk, dim)
 
     def kernel(s, v):
-        return aj.prefix_attention(s, v)[0]
+        return aj.prefix_attention(s, v, method="blocked")[0]
+
+    def native(s, v):
+        return aj.prefix_attention(s, v, method="native")[0]
 
     d_model = heads * dim
     x = jax.random.normal(keys[2], (batch, length, d_model))
@@ -138,6 +144,7 @@ def variants(batch: int, heads: int, length: int, dim: int) -> dict:
         "pass1": (pass1, (flat_scores, flat_values)),
         "kernel": (kernel, (scores, values)),
         "kernel_batch1": (kernel, (flat_scores[None], flat_values[None])),
+        "native": (native, (scores, values)),
         "minimal_loop_strided": (
             functools.partial(minimal_loop, axis=2),
             (score_blocks, value_blocks),
@@ -195,7 +202,8 @@ def compiled_facts(batch: int, heads: int, length: int, dim: int) -> dict:
     """In-place fusions of the compiled forward, and which of them XLA splits across threads."""
     scores = jax.ShapeDtypeStruct((batch, heads, length), jnp.float32)
     values = jax.ShapeDtypeStruct((batch, heads, length, dim), jnp.float32)
-    text = jax.jit(lambda s, v: aj.prefix_attention(s, v)[0]).lower(scores, values)
+    text = jax.jit(lambda s, v: aj.prefix_attention(s, v, method="blocked")[0])
+    text = text.lower(scores, values)
     text = text.compile().as_text()
     fusion_lines = [line for line in text.splitlines() if re.search(r"= \S+ fusion\(", line)]
     in_place = [line for line in fusion_lines if "dynamic-update-slice" in line.split("=")[0]]
@@ -211,7 +219,7 @@ def compiled_facts(batch: int, heads: int, length: int, dim: int) -> dict:
         "in_place_update_fusions": len(in_place),
         "in_place_update_fusions_split_across_threads": len(split),
         "value_sized_zero_fills": len(zero_fills),
-        "method": resolve_method("auto", length),
+        "method": resolve_method("blocked", length),
     }
 
 

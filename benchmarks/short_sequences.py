@@ -26,7 +26,7 @@ from _common import REPO, add_shape_args, interleaved, machine_info, write_json
 
 import aaren_jax as aj
 
-METHODS = ("auto", "associative", "sequential", "blocked")
+METHODS = ("auto", "associative", "sequential", "blocked", "native")
 # (name, B, H, T, D) of the examples' default training shapes
 EXAMPLE_SHAPES = (
     ("decision_transformer", 64, 1, 60, 128),

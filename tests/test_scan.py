@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 import aaren_jax as aj
+from aaren_jax import native
 
-METHODS = ("associative", "sequential", "chunked", "blocked", "auto")
+METHODS = ("associative", "sequential", "chunked", "blocked", "native", "auto")
 
 
 def brute_force(scores, values, mask, initial=None):
@@ -597,13 +598,37 @@ def test_compensated_initial_state_is_continued_by_every_method(method):
 def test_auto_resolves_to_named_methods():
     assert aj.resolve_method("auto", 1, "cpu") == "single"
     assert aj.resolve_method("auto", 8, "cpu") == "associative"
-    assert aj.resolve_method("auto", 16, "cpu") == "blocked"
-    assert aj.resolve_method("auto", 4096, "cpu") == "blocked"
+    # the compiled scan builds wherever CI runs (gcc): a failed build would fail here
+    assert aj.resolve_method("auto", 16, "cpu") == "native"
+    assert aj.resolve_method("auto", 4096, "cpu") == "native"
     assert aj.resolve_method("auto", 4096, "gpu") == "associative"
     assert aj.resolve_method("chunked", 4096) == "chunked"
     assert aj.resolve_method("blocked", 1) == "single"  # one token: one combine, any method
     with pytest.raises(ValueError, match='"single" takes one token'):
         aj.prefix_attention(jnp.zeros(3), jnp.zeros((3, 2)), method="single")
+
+
+def test_auto_runs_blocked_where_the_compiled_scan_cannot_be_built(monkeypatch):
+    monkeypatch.setattr(native, "_load", lambda: "no C++ compiler found (set CXX)")
+    native._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert aj.resolve_method("auto", 64, "cpu") == "blocked"
+    with pytest.raises(RuntimeError, match='"native" is not available: no C'):
+        aj.prefix_attention(jnp.zeros(32), jnp.zeros((32, 2)), method="native")
+    monkeypatch.setattr(native, "_load", lambda: "disabled by AAREN_JAX_NATIVE=0")
+    assert aj.resolve_method("auto", 64, "cpu") == "blocked"  # disabled: no warning
+
+
+def test_compiled_scan_builds_into_an_empty_cache(tmp_path, monkeypatch):
+    # what a fresh machine does on its first call: compile the shipped source
+    monkeypatch.setenv("AAREN_JAX_CACHE", str(tmp_path))
+    compiler = native.shutil.which("c++") or native.shutil.which("g++")
+    library = native._library_path(compiler)
+    assert library.parent == tmp_path and not library.exists()
+    native._build(compiler, library)
+    assert library.stat().st_size > 0
+    native._build(compiler, library)  # built once: a second call finds it
+    assert [p.name for p in tmp_path.glob("*.so")] == [library.name]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -42,9 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aaren_jax import native as native_scan
+
 Array = jax.Array
 
-METHODS = ("auto", "blocked", "associative", "sequential", "chunked", "single")
+METHODS = ("auto", "native", "blocked", "associative", "sequential", "chunked", "single")
 DEFAULT_CHUNK_SIZE = 64
 # From this length on "auto" takes the blocked kernel on CPU. benchmarks/short_sequences.py
 # (results/short_sequences_cpu.json): from T = 16 the associative scan was never the fastest,
@@ -455,13 +457,16 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
 
     One token takes ``"single"`` (one ``combine``) whatever the method: a layer's ``step``
     is that, and a compensated carry keeps its error terms. ``"auto"`` resolves by backend
-    and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` (16) or more take
-    ``"blocked"``, faster than the associative scan at every such length measured there,
-    forward and backward, and quicker to compile (``benchmarks/scan.py`` from T = 1,024,
-    ``benchmarks/short_sequences.py`` from T = 2); shorter ones, and other backends (not
-    measured here), the paper's ``"associative"`` scan. ``"blocked"`` differentiates in both modes
-    (a custom JVP that JAX transposes for the backward pass). Other names are returned as
-    they are.
+    and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` (16) or more take ``"native"``,
+    the scan compiled as an XLA custom call (``aaren_jax.native``; built with the machine's
+    C++ compiler on first use), or ``"blocked"`` where it cannot be built, with a warning;
+    both are faster than the associative scan at every such length measured there, forward
+    and backward (``benchmarks/scan.py`` from T = 1,024, ``benchmarks/short_sequences.py``
+    from T = 2). Shorter sequences, and other backends (not measured here), take the
+    paper's ``"associative"`` scan. ``"native"`` and ``"blocked"`` differentiate in both
+    modes, to any order (one custom JVP, which JAX transposes for the backward pass).
+    ``jax.export`` cannot serialise the custom call: export with ``method="blocked"``.
+    Other names are returned as they are.
 
     Args:
       method: one of ``METHODS``.
@@ -480,7 +485,9 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
     if method != "auto":
         return method
     on_cpu = (backend or jax.default_backend()) == "cpu"
-    return "blocked" if on_cpu and num_tokens >= BLOCKED_MIN_TOKENS else "associative"
+    if not on_cpu or num_tokens < BLOCKED_MIN_TOKENS:
+        return "associative"
+    return "native" if native_scan.available(warn=True) else "blocked"
 
 
 def check_chunk_size(chunk_size) -> int:
@@ -588,9 +595,14 @@ def checked_prefix_attention(
     if num_tokens == 0:
         return jnp.zeros(values.shape, values.dtype), initial_state
 
-    if method == "blocked":
+    if method in ("native", "blocked"):
         outputs, final = _blocked(
-            scores.astype(acc), values.astype(acc), mask, initial_state, chunk_size
+            scores.astype(acc),
+            values.astype(acc),
+            mask,
+            initial_state,
+            chunk_size,
+            native=method == "native",
         )
         return outputs.astype(values.dtype), final
 
@@ -628,7 +640,7 @@ def checked_prefix_attention(
 # log-normaliser exp(s_i - log_norm_t): at scores near 1e4 that one is 1e-3 off.
 
 
-def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
+def _blocked(scores, values, mask, init: AttentionState, chunk_size: int, native: bool):
     """The blocked kernel: validity as an array, masked values zeroed, compensation folded.
 
     The kernel multiplies masked values by a weight of 0, so they are zeroed first: a NaN
@@ -654,6 +666,7 @@ def _blocked(scores, values, mask, init: AttentionState, chunk_size: int):
         valid.reshape(-1, num_tokens),
         flat_plain,
         block,
+        native,
     )
     outputs = outputs.reshape(*batch_shape, num_tokens, dim)
     final = _map_state(
@@ -811,8 +824,22 @@ def _weights_readout(ref, sums):
     return (*_output_readout(ref, sums), ref, sums[0])
 
 
-def _blocked_forward(scores, values, valid, init, chunk_size, readout_fn):
-    """``readout_fn`` at every position, [B, T, *] each, and the final state."""
+def _forward(scores, values, valid, init, chunk_size, native, with_weights):
+    """The outputs at every position (and with ``with_weights`` the running max and sum
+    they came from), [B, T, *] each, and the final state: compiled or blocked."""
+    if native:
+        outputs, ref, u, m, final_u, final_w = native_scan.prefix_scan(
+            jnp.where(valid, scores, -jnp.inf),
+            valid.astype(scores.dtype),
+            values,
+            init.m,
+            init.u,
+            init.w,
+        )
+        return ((outputs, ref, u) if with_weights else (outputs,)), AttentionState(
+            m, final_u, final_w
+        )
+    readout_fn = _weights_readout if with_weights else _output_readout
     outputs, (m, (final_u, final_w)) = _two_pass_scan(
         jnp.where(valid, scores, -jnp.inf),
         (valid.astype(scores.dtype), values),
@@ -824,15 +851,15 @@ def _blocked_forward(scores, values, valid, init, chunk_size, readout_fn):
     return outputs, AttentionState(m, final_u, final_w)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _blocked_attention(scores, values, valid, init, chunk_size):
-    # without derivatives, pass 2 writes the outputs alone
-    (outputs,), final = _blocked_forward(scores, values, valid, init, chunk_size, _output_readout)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _blocked_attention(scores, values, valid, init, chunk_size, native):
+    # without derivatives, the outputs alone
+    (outputs,), final = _forward(scores, values, valid, init, chunk_size, native, False)
     return outputs, final
 
 
 @_blocked_attention.defjvp
-def _blocked_jvp(chunk_size, primals, tangents):
+def _blocked_jvp(chunk_size, native, primals, tangents):
     """The tangent is attention itself, with the primal weights, over tangent channels.
 
     With ``p_ti = exp(s_i - m_t) / u_t``: ``d o_t = sum_i p_ti (dv_i + ds_i v_i) - o_t
@@ -841,11 +868,34 @@ def _blocked_jvp(chunk_size, primals, tangents):
     mode (``jax.jvp``, ``jax.hessian``) works too. The running max carries no tangent, as
     everywhere in this module.
     """
+    outputs, ref, u, final = _attention_weights(*primals, chunk_size, native)
+    d_outputs, _, d_final = _tangent(primals, tangents, outputs, ref, u)
+    return (outputs, final), (d_outputs, d_final)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _attention_weights(scores, values, valid, init, chunk_size, native):
+    """The outputs, the running max and sum at every position (the tangent's weights), and
+    the final state. Its own JVP rule (the same tangent) keeps second derivatives working
+    when the primal is the compiled scan, which JAX cannot differentiate."""
+    (outputs, ref, u), final = _forward(scores, values, valid, init, chunk_size, native, True)
+    return outputs, ref, u, final
+
+
+@_attention_weights.defjvp
+def _attention_weights_jvp(chunk_size, native, primals, tangents):
+    # the running max carries no tangent; u (relative to it) moves as u * sum_i p_ti ds_i
+    outputs, ref, u, final = _attention_weights(*primals, chunk_size, native)
+    d_outputs, d_u_norm, d_final = _tangent(primals, tangents, outputs, ref, u)
+    return (outputs, ref, u, final), (d_outputs, jnp.zeros_like(ref), u * d_u_norm, d_final)
+
+
+def _tangent(primals, tangents, outputs, ref, u):
+    """``(d_outputs [B, T, D], d_u_norm [B, T], d_final)``: the tangent of the outputs, of
+    ``u`` relative to itself (``du / u``, 0 where nothing was attended) and of the final
+    state, from the primal weights."""
     scores, values, valid, init = primals
     d_scores, d_values, _, d_init = tangents
-    (outputs, ref, u), final = _blocked_forward(
-        scores, values, valid, init, chunk_size, _weights_readout
-    )
     scores = jnp.where(valid, scores, -jnp.inf)
     d_scores = jnp.where(valid, d_scores, jnp.zeros((), d_scores.dtype))
     channels = (d_scores, d_values + d_scores[..., None] * values)
@@ -878,7 +928,5 @@ def _blocked_jvp(chunk_size, primals, tangents):
     d_w_norm = jnp.einsum("...it,...id->...td", weights, channel_blocks[1])
     d_w_norm = d_w_norm + start_weight[..., None] * start_dw[..., None, :]
     d_outputs = _from_blocks(d_w_norm - blocked(outputs) * d_u_norm[..., None], 1, num_tokens)
-    return (outputs, final), (
-        d_outputs,
-        AttentionState(jnp.zeros_like(final.m), final_du, final_dw),
-    )
+    d_final = AttentionState(jnp.zeros_like(init.m), final_du, final_dw)
+    return d_outputs, _from_blocks(d_u_norm, 1, num_tokens), d_final

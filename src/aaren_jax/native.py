@@ -1,0 +1,159 @@
+"""The prefix scan compiled for XLA's CPU backend: an XLA FFI custom call, built on first use.
+
+XLA's CPU code for a loop over positions runs each step as separate fusions over strided
+slices on one thread: the blocked kernel's in-place loop cost 2.5x the memory floor on its
+own (README, issue 13). ``_native/prefix_scan.cc`` is the same recurrence, ``combine`` one
+token at a time, written once per row: it reads each score and value once, writes each output
+once, and spreads rows over XLA's intra-op threads. It computes only the forward pass; the
+``"native"`` method of ``scan.py`` takes its derivatives from the blocked kernel's tangent.
+
+The library is compiled with the C++ compiler of the machine (``$CXX``, else ``c++``) against
+the headers jaxlib ships, on the first call that needs it, and cached under
+``$AAREN_JAX_CACHE`` (default ``~/.cache/aaren_jax``), keyed by the source, the flags, the
+jax version and the CPU model, so a cache shared between machines never loads a library built
+for another CPU. ``AAREN_JAX_NATIVE=0`` disables it (``"auto"`` then runs ``"blocked"``).
+
+Shape notation: ``R`` rows (any leading axes), ``T`` tokens, ``D`` value width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+
+Array = jax.Array
+TARGET = "aaren_prefix_scan"
+SOURCE = Path(__file__).parent / "_native" / "prefix_scan.cc"
+# IEEE arithmetic throughout: no -ffast-math (NaN must propagate, -inf stay -inf), and no
+# fused multiply-adds, which would break the compensated sums' TwoSum
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aaren_jax"
+    return Path(os.environ.get("AAREN_JAX_CACHE", default))
+
+
+def _library_path(compiler: str) -> Path:
+    key = "\n".join(
+        [SOURCE.read_text(), compiler, *FLAGS, jax.__version__, platform.machine(), _cpu_model()]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return _cache_dir() / f"prefix_scan-{digest}.so"
+
+
+def _build(compiler: str, library: Path) -> None:
+    """Compiles the library into ``library`` once, whatever the number of processes asking
+    (a file lock; the result is moved into place whole)."""
+    import fcntl  # POSIX; elsewhere the ImportError reads as "not available"
+
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+            built = Path(tmp) / library.name
+            command = [
+                compiler,
+                *FLAGS,
+                f"-I{jax.ffi.include_dir()}",
+                str(SOURCE),
+                "-o",
+                str(built),
+            ]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+            os.replace(built, library)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (or finds) and registers the library: None, or why it is not available."""
+    if os.environ.get("AAREN_JAX_NATIVE", "1") == "0":
+        return "disabled by AAREN_JAX_NATIVE=0"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return "no C++ compiler found (set CXX)"
+    library = _library_path(compiler)
+    try:
+        if not library.exists():
+            _build(compiler, library)
+        handler = ctypes.cdll.LoadLibrary(str(library)).AarenPrefixScan
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    except (ImportError, OSError, RuntimeError) as err:
+        return str(err)
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when the compiled scan can run here, else why not (building it if needed)."""
+    return _load()
+
+
+def available(warn: bool = False) -> bool:
+    """Whether the compiled scan can run here; ``warn``: say once why not, unless disabled."""
+    reason = _load()
+    if reason is not None and warn and not reason.startswith("disabled"):
+        _warn_once(reason)
+    return reason is None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(
+        f'aaren_jax: the compiled CPU scan is not available, "auto" runs "blocked" ({reason})',
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def prefix_scan(
+    scores: Array, counts: Array, values: Array, init_m: Array, init_u: Array, init_w: Array
+) -> tuple[Array, ...]:
+    """Every prefix's state and output, one token at a time (``combine`` of ``scan.py``).
+
+    All arrays share one float dtype (float32 or float64); masked tokens come in as
+    ``scores = -inf``, ``counts = 0``, ``values = 0``.
+
+    Args:
+      scores: [R..., T]
+      counts: 1 where attended, 0 where masked. [R..., T]
+      values: [R..., T, D]
+      init_m: the running max of the state before the first token. [R...]
+      init_u: its sum. [R...]
+      init_w: its weighted sum of values. [R..., D]
+
+    Returns:
+      ``(outputs [R..., T, D], refs [R..., T], sums [R..., T], m [R...], u [R...],
+      w [R..., D])``: per position the output, the exponent's reference (the running max,
+      0 before anything is attended) and the sum ``u`` relative to it; then the final state.
+    """
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f'method "native" is not available: {reason}')
+    shapes = [values, scores, scores, init_m, init_u, init_w]
+    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes]
+    call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="broadcast_all")
+    return tuple(call(scores, counts, values, init_m, init_u, init_w))
