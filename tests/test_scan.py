@@ -419,7 +419,8 @@ def test_check_grads_second_order(method):
         check_grads(jax.jit(f), args, order=2, modes=("fwd", "rev"))
 
 
-def test_blocked_derivatives_with_an_initial_state_and_garbage_at_masked_tokens():
+@pytest.mark.parametrize("kernel", ["blocked", "native"])
+def test_blocked_derivatives_with_an_initial_state_and_garbage_at_masked_tokens(kernel):
     """Forward and reverse mode of the blocked kernel against the sequential scan's autodiff,
     through the initial state and with NaN at masked tokens (their tangents are ignored)."""
     rng = np.random.default_rng(11)
@@ -445,12 +446,12 @@ def test_blocked_derivatives_with_an_initial_state_and_garbage_at_masked_tokens(
     )
     tangents = tuple(jnp.ones_like(a) for a in args)
     for mode in (jax.grad, jax.jacfwd):
-        got = mode(f("blocked"), argnums=(0, 1, 2, 3))(*args)
+        got = mode(f(kernel), argnums=(0, 1, 2, 3))(*args)
         want = mode(f("sequential"), argnums=(0, 1, 2, 3))(*args)
         for g, w in zip(got, want, strict=True):
             assert np.all(np.isfinite(g))
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
-    got = jax.jvp(f("blocked"), args, tangents)[1]
+    got = jax.jvp(f(kernel), args, tangents)[1]
     np.testing.assert_allclose(got, jax.jvp(f("sequential"), args, tangents)[1], rtol=2e-5)
 
 
@@ -631,6 +632,62 @@ def test_compiled_scan_builds_into_an_empty_cache(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.glob("*.so")] == [library.name]
 
 
+def test_compiled_backward_is_the_transpose_of_the_tangent():
+    """The compiled backward pass against the transpose of the blocked kernel's tangent (XLA,
+    by JAX), for every cotangent it takes: outputs, ``du / u``, the final state; with masks
+    (random, left padding, all masked), a -inf score, and initial states seen and empty."""
+    rng = np.random.default_rng(41)
+    rows, length, dim = 5, 37, 3
+    mask = rng.random((rows, length)) > 0.3
+    mask[3], mask[4, :20] = False, False
+    scores = np.where(mask, rng.normal(size=(rows, length)) * 4, -np.inf)
+    scores[2, 5] = -np.inf  # attended, with weight 0
+    values = np.where(mask[..., None], rng.normal(size=(rows, length, dim)), 0)
+    init_m = np.array([0.5, -np.inf, 2.0, -np.inf, 1.0])
+    init_u = np.array([1.5, 0.0, 0.7, 0.0, 2.0])
+    init_w = np.where(init_u[:, None] > 0, rng.normal(size=(rows, dim)), 0)
+    f32 = lambda *xs: [jnp.asarray(x, jnp.float32) for x in xs]  # noqa: E731
+    scores, counts, values, init_m, init_u, init_w = f32(
+        scores, mask, values, init_m, init_u, init_w
+    )
+    outputs, ref, u, *_ = native.prefix_scan(scores, counts, values, init_m, init_u, init_w)
+    cotangents = f32(
+        rng.normal(size=(rows, length, dim)),
+        rng.normal(size=(rows, length)),
+        rng.normal(size=rows),
+        rng.normal(size=(rows, dim)),
+    )
+    args = (scores, counts, values, outputs, ref, u, init_m, *cotangents)
+    got = native.prefix_scan_backward(*args)
+    want = aj.scan._backward_reference(*args)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(np.abs(w).max()))
+    d_scores, d_values, d_init_u, d_init_w = got
+    assert np.all(d_scores[3] == 0) and np.all(d_values[3] == 0)  # all masked: no gradient
+    assert np.all(d_scores[~mask] == 0)
+    assert d_init_u[1] == 0 and np.all(d_init_w[1] == 0)  # the empty initial state
+
+
+def test_compiled_gradient_under_vmap_is_the_per_example_gradient():
+    rng = np.random.default_rng(42)
+    scores = jnp.asarray(rng.normal(size=(3, 2, 40)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(3, 2, 40, 4)), jnp.float32)
+    mask = jnp.asarray(rng.random((3, 2, 40)) > 0.2)
+
+    def loss(s, v, m):
+        return jnp.sum(jnp.sin(aj.prefix_attention(s, v, m, method="native")[0]))
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    batched = jax.jit(jax.vmap(grad))(scores, values, mask)
+    for i in range(3):
+        one = grad(scores[i], values[i], mask[i])
+        for b, o in zip(batched, one, strict=True):
+            np.testing.assert_allclose(b[i], o, rtol=1e-6, atol=1e-7)
+    hlo = jax.jit(jax.vmap(grad)).lower(scores, values, mask).as_text()
+    assert "aaren_prefix_scan_backward" in hlo  # the compiled backward, batched as rows
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_one_token_keeps_compensation_whatever_the_method(method):
     # A layer's step runs its method on one token: with "blocked" the error terms used to be
@@ -648,14 +705,15 @@ def test_one_token_keeps_compensation_whatever_the_method(method):
 
 
 # ----------------------------------------------------------------------------------------
-# The blocked kernel on a long sequence: many blocks, runs of masked tokens across block
-# boundaries, hostile values far from the start; few and small cases.
+# The blocked kernel and the compiled scan on a long sequence: many blocks, runs of masked
+# tokens across block boundaries, hostile values far from the start; few and small cases.
 
 LONG = 2085  # no block size near the default divides it: padding
 
 
+@pytest.mark.parametrize("kernel", ["blocked", "native"])
 @pytest.mark.parametrize("case", ["random", "huge_far_apart", "nan_score", "nan_value"])
-def test_blocked_long_sequence_matches_float64_brute_force(case):
+def test_blocked_long_sequence_matches_float64_brute_force(case, kernel):
     rng = np.random.default_rng(31)
     scores = rng.normal(size=(4, LONG)).astype(np.float32)
     values = rng.normal(size=(4, LONG, 3)).astype(np.float32)
@@ -669,7 +727,7 @@ def test_blocked_long_sequence_matches_float64_brute_force(case):
     elif case == "nan_value":
         values[:, bad, 1] = np.nan
     scores[~mask], values[~mask] = np.inf, np.nan  # garbage where masked: ignored
-    out, final = jax.jit(lambda s, v, m: aj.prefix_attention(s, v, m, method="blocked"))(
+    out, final = jax.jit(lambda s, v, m: aj.prefix_attention(s, v, m, method=kernel))(
         scores, values, mask
     )
     out = np.asarray(out)
@@ -692,7 +750,8 @@ def test_blocked_long_sequence_matches_float64_brute_force(case):
     assert np.all(out[3] == 0)  # the all-masked row
 
 
-def test_blocked_long_sequence_derivatives_and_initial_state():
+@pytest.mark.parametrize("kernel", ["blocked", "native"])
+def test_blocked_long_sequence_derivatives_and_initial_state(kernel):
     rng = np.random.default_rng(32)
     init = aj.init_state((2,), 3)
     init = init._replace(m=jnp.array([1.0, -jnp.inf]), u=jnp.array([2.0, 0.0]))
@@ -710,23 +769,24 @@ def test_blocked_long_sequence_derivatives_and_initial_state():
         jnp.asarray(rng.normal(size=(2, LONG)), jnp.float32) * 3,
         jnp.asarray(rng.normal(size=(2, LONG, 3)), jnp.float32),
     )
-    np.testing.assert_allclose(f("blocked")(*args), f("sequential")(*args), rtol=1e-5)
-    got = jax.grad(f("blocked"), argnums=(0, 1))(*args)
+    np.testing.assert_allclose(f(kernel)(*args), f("sequential")(*args), rtol=1e-5)
+    got = jax.grad(f(kernel), argnums=(0, 1))(*args)
     want = jax.grad(f("sequential"), argnums=(0, 1))(*args)
     for g, w in zip(got, want, strict=True):
         # float32 sums over 2,000 tokens: errors relative to the gradient's scale
         scale = float(np.abs(w).max())
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6 * scale)
     tangents = tuple(jnp.ones_like(a) for a in args)
-    got = jax.jvp(f("blocked"), args, tangents)[1]
+    got = jax.jvp(f(kernel), args, tangents)[1]
     np.testing.assert_allclose(got, jax.jvp(f("sequential"), args, tangents)[1], rtol=2e-4)
 
 
-def test_blocked_long_sequence_bfloat16_inputs():
+@pytest.mark.parametrize("kernel", ["blocked", "native"])
+def test_blocked_long_sequence_bfloat16_inputs(kernel):
     rng = np.random.default_rng(33)
     scores = jnp.asarray(rng.normal(size=(2, LONG)), jnp.bfloat16)
     values = jnp.asarray(rng.normal(size=(2, LONG, 64)), jnp.bfloat16)
-    out, final = aj.prefix_attention(scores, values, method="blocked")
+    out, final = aj.prefix_attention(scores, values, method=kernel)
     assert out.dtype == jnp.bfloat16 and final.w.dtype == jnp.float32
     want = brute_force(np.asarray(scores, np.float32), np.asarray(values, np.float32), True)
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=1e-2, rtol=1e-2)

@@ -33,10 +33,19 @@ import jax
 
 Array = jax.Array
 TARGET = "aaren_prefix_scan"
+BACKWARD_TARGET = "aaren_prefix_scan_backward"
 SOURCE = Path(__file__).parent / "_native" / "prefix_scan.cc"
 # IEEE arithmetic throughout: no -ffast-math (NaN must propagate, -inf stay -inf), and no
 # fused multiply-adds, which would break the compensated sums' TwoSum
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fopenmp-simd",  # `omp simd` pragmas only (the dot products), no OpenMP runtime
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+)
 
 
 def _cpu_model() -> str:
@@ -100,8 +109,12 @@ def _load() -> str | None:
     try:
         if not library.exists():
             _build(compiler, library)
-        handler = ctypes.cdll.LoadLibrary(str(library)).AarenPrefixScan
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        loaded = ctypes.cdll.LoadLibrary(str(library))
+        for name, handler in [
+            (TARGET, loaded.AarenPrefixScan),
+            (BACKWARD_TARGET, loaded.AarenPrefixScanBackward),
+        ]:
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
     except (ImportError, OSError, RuntimeError) as err:
         return str(err)
     return None
@@ -157,3 +170,41 @@ def prefix_scan(
     out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes]
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="broadcast_all")
     return tuple(call(scores, counts, values, init_m, init_u, init_w))
+
+
+def prefix_scan_backward(
+    scores: Array,
+    counts: Array,
+    values: Array,
+    outputs: Array,
+    refs: Array,
+    sums: Array,
+    init_m: Array,
+    g: Array,
+    g_unorm: Array,
+    g_final_u: Array,
+    g_final_w: Array,
+) -> tuple[Array, ...]:
+    """The backward pass of ``prefix_scan``'s outputs, walked from the last token to the first.
+
+    The transpose of the tangent of ``scan.py`` (``_tangent``): given the cotangents of the
+    outputs, of ``u`` relative to itself (``du / u``) and of the final ``u`` and ``w``, the
+    cotangents of the scores, values and initial ``u`` and ``w``. Same dtype rules and
+    masking as ``prefix_scan``, whose outputs, refs and sums it takes.
+
+    Args:
+      scores, counts: [R..., T]; values, outputs: [R..., T, D]; refs, sums: [R..., T];
+      init_m: [R...]; g: [R..., T, D]; g_unorm: [R..., T]; g_final_u: [R...];
+      g_final_w: [R..., D].
+
+    Returns:
+      ``(d_scores [R..., T], d_values [R..., T, D], d_init_u [R...], d_init_w [R..., D])``.
+    """
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f'method "native" is not available: {reason}')
+    shapes = [scores, values, init_m, g_final_w]
+    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes]
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    args = (scores, counts, values, outputs, refs, sums, init_m, g, g_unorm, g_final_u, g_final_w)
+    return tuple(call(*args))

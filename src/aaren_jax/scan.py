@@ -41,6 +41,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from aaren_jax import native as native_scan
 
@@ -869,7 +871,7 @@ def _blocked_jvp(chunk_size, native, primals, tangents):
     everywhere in this module.
     """
     outputs, ref, u, final = _attention_weights(*primals, chunk_size, native)
-    d_outputs, _, d_final = _tangent(primals, tangents, outputs, ref, u)
+    d_outputs, _, d_final = _tangent_of(native, primals, tangents, outputs, ref, u)
     return (outputs, final), (d_outputs, d_final)
 
 
@@ -886,16 +888,28 @@ def _attention_weights(scores, values, valid, init, chunk_size, native):
 def _attention_weights_jvp(chunk_size, native, primals, tangents):
     # the running max carries no tangent; u (relative to it) moves as u * sum_i p_ti ds_i
     outputs, ref, u, final = _attention_weights(*primals, chunk_size, native)
-    d_outputs, d_u_norm, d_final = _tangent(primals, tangents, outputs, ref, u)
+    d_outputs, d_u_norm, d_final = _tangent_of(native, primals, tangents, outputs, ref, u)
     return (outputs, ref, u, final), (d_outputs, jnp.zeros_like(ref), u * d_u_norm, d_final)
 
 
-def _tangent(primals, tangents, outputs, ref, u):
-    """``(d_outputs [B, T, D], d_u_norm [B, T], d_final)``: the tangent of the outputs, of
-    ``u`` relative to itself (``du / u``, 0 where nothing was attended) and of the final
-    state, from the primal weights."""
+def _tangent_of(native, primals, tangents, outputs, ref, u):
+    """``(d_outputs, d_u_norm, d_final)``: ``_tangent`` of the rules' arguments; for the
+    compiled method a primitive whose transpose is the compiled backward pass."""
     scores, values, valid, init = primals
     d_scores, d_values, _, d_init = tangents
+    args = (scores, values, valid.astype(scores.dtype), init.m, outputs, ref, u)
+    args += (d_scores, d_values, d_init.u, d_init.w)
+    d_outputs, d_u_norm, d_u, d_w = (_native_tangent_p.bind if native else _tangent)(*args)
+    return d_outputs, d_u_norm, AttentionState(jnp.zeros_like(init.m), d_u, d_w)
+
+
+def _tangent(
+    scores, values, counts, init_m, outputs, ref, u, d_scores, d_values, d_init_u, d_init_w
+):
+    """The tangent of the outputs [B, T, D], of ``u`` relative to itself [B, T] (``du / u``,
+    0 where nothing was attended) and of the final ``u`` [B] and ``w`` [B, D], from the
+    primal weights (``counts``: 1 where attended, 0 where masked)."""
+    valid = counts != 0
     scores = jnp.where(valid, scores, -jnp.inf)
     d_scores = jnp.where(valid, d_scores, jnp.zeros((), d_scores.dtype))
     channels = (d_scores, d_values + d_scores[..., None] * values)
@@ -910,7 +924,7 @@ def _tangent(primals, tangents, outputs, ref, u):
     score_blocks = blocked(scores, fill=-jnp.inf)
     channel_blocks = tuple(blocked(c) for c in channels)
     start_m, (start_du, start_dw), _, (final_du, final_dw) = _block_starts(
-        score_blocks, channel_blocks, init.m, (d_init.u, d_init.w)
+        score_blocks, channel_blocks, init_m, (d_init_u, d_init_w)
     )
     ref, u = blocked(ref, fill=jnp.inf), blocked(u)
     seen = u != 0  # as readout: a NaN sum is never read as "nothing attended"
@@ -928,5 +942,96 @@ def _tangent(primals, tangents, outputs, ref, u):
     d_w_norm = jnp.einsum("...it,...id->...td", weights, channel_blocks[1])
     d_w_norm = d_w_norm + start_weight[..., None] * start_dw[..., None, :]
     d_outputs = _from_blocks(d_w_norm - blocked(outputs) * d_u_norm[..., None], 1, num_tokens)
-    d_final = AttentionState(jnp.zeros_like(init.m), final_du, final_dw)
-    return d_outputs, _from_blocks(d_u_norm, 1, num_tokens), d_final
+    return d_outputs, _from_blocks(d_u_norm, 1, num_tokens), final_du, final_dw
+
+
+# ----------------------------------------------------------------------------------------
+# The compiled method's backward pass.
+#
+# JAX transposes the tangent into the backward pass. For "native", the tangent is a
+# primitive: computed by ``_tangent`` (XLA), transposed into the compiled backward pass
+# (``native.prefix_scan_backward``: one reverse walk over the tokens, which reads the
+# cotangents, values and outputs once and writes the gradients once), whose own derivatives
+# (second order) are those of ``_tangent``'s transpose in XLA. Both work on rows [R, ...]
+# (``_blocked``'s flat batch), so a batched call is one call over more rows.
+
+
+def _row_outputs(scores, values):
+    """Avals [R, T, D], [R, T], [R], [R, D] of values' dtype, from scores [R, T] and values."""
+    shapes = (values.shape, scores.shape, scores.shape[:-1], (*values.shape[:-2], values.shape[-1]))
+    return [jax.core.ShapedArray(shape, values.dtype) for shape in shapes]
+
+
+def _backward_reference(scores, counts, values, outputs, ref, u, init_m, g, g_unorm, g_u, g_w):
+    """``native.prefix_scan_backward`` in XLA: the transpose of ``_tangent``."""
+    zeros = tuple(jnp.zeros_like(x) for x in (scores, values, init_m, g_w))
+    residuals = (scores, values, counts, init_m, outputs, ref, u)
+    _, pullback = jax.vjp(lambda *t: _tangent(*residuals, *t), *zeros)
+    return pullback((g, g_unorm, g_u, g_w))
+
+
+def _rows_batcher(primitive):
+    """vmap of a row-wise primitive: the mapped axis joins the rows."""
+
+    def batched(args, dims):
+        size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+        args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims, strict=True)]
+        outs = primitive.bind(*(x.reshape(-1, *x.shape[2:]) for x in args))
+        return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+    return batched
+
+
+def _jvp_of(fn):
+    def jvp(primals, tangents):
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        out, out_tangents = jax.jvp(fn, tuple(primals), tuple(tangents))
+        return list(out), list(out_tangents)
+
+    return jvp
+
+
+def _native_tangent_transpose(cts, *args):
+    scores, values, counts, init_m, outputs, ref, u = args[:7]
+    g, g_unorm, g_u, g_w = (ad.instantiate_zeros(ct) for ct in cts)
+    grads = _native_backward_p.bind(
+        jnp.where(counts != 0, scores, -jnp.inf),
+        counts,
+        values,
+        outputs,
+        ref,
+        u,
+        init_m,
+        g,
+        g_unorm,
+        g_u,
+        g_w,
+    )
+    linear = args[7:]
+    return [None] * 7 + [
+        ct if ad.is_undefined_primal(x) else None for ct, x in zip(grads, linear, strict=True)
+    ]
+
+
+_native_tangent_p = Primitive("aaren_native_tangent")
+_native_tangent_p.multiple_results = True
+_native_tangent_p.def_impl(_tangent)
+_native_tangent_p.def_abstract_eval(lambda scores, values, *rest: _row_outputs(scores, values))
+mlir.register_lowering(_native_tangent_p, mlir.lower_fun(_tangent, multiple_results=True))
+ad.primitive_jvps[_native_tangent_p] = _jvp_of(_tangent)
+ad.primitive_transposes[_native_tangent_p] = _native_tangent_transpose
+batching.primitive_batchers[_native_tangent_p] = _rows_batcher(_native_tangent_p)
+
+_native_backward_p = Primitive("aaren_native_backward")
+_native_backward_p.multiple_results = True
+_native_backward_p.def_impl(native_scan.prefix_scan_backward)
+_native_backward_p.def_abstract_eval(
+    lambda scores, counts, values, *rest: [_row_outputs(scores, values)[i] for i in (1, 0, 2, 3)]
+)
+mlir.register_lowering(
+    _native_backward_p,
+    mlir.lower_fun(native_scan.prefix_scan_backward, multiple_results=True),
+    platform="cpu",
+)
+ad.primitive_jvps[_native_backward_p] = _jvp_of(_backward_reference)
+batching.primitive_batchers[_native_backward_p] = _rows_batcher(_native_backward_p)
