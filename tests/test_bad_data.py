@@ -125,8 +125,8 @@ def test_bad_constructor_arguments_raise_at_construction():
 
 
 def test_hessian_with_default_arguments_matches_sequential():
-    # 64 tokens: on CPU "auto" resolves to the blocked kernel (its custom JVP); below that,
-    # to "associative" (plain JAX, covered by test_scan's second-order checks)
+    # on CPU "auto" resolves to the compiled scan: its custom JVP, its compiled backward pass
+    # and, for the second order, that pass's derivatives in XLA
     x = jax.random.normal(jax.random.key(3), (1, 64, 4))
 
     def loss(method):

@@ -459,15 +459,15 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
 
     One token takes ``"single"`` (one ``combine``) whatever the method: a layer's ``step``
     is that, and a compensated carry keeps its error terms. ``"auto"`` resolves by backend
-    and shape: on CPU, sequences of ``BLOCKED_MIN_TOKENS`` (16) or more take ``"native"``,
-    the scan compiled as an XLA custom call (``aaren_jax.native``; built with the machine's
-    C++ compiler on first use), or ``"blocked"`` where it cannot be built, with a warning;
-    both are faster than the associative scan at every such length measured there, forward
-    and backward (``benchmarks/scan.py`` from T = 1,024, ``benchmarks/short_sequences.py``
-    from T = 2). Shorter sequences, and other backends (not measured here), take the
-    paper's ``"associative"`` scan. ``"native"`` and ``"blocked"`` differentiate in both
-    modes, to any order (one custom JVP, which JAX transposes for the backward pass).
-    ``jax.export`` cannot serialise the custom call: export with ``method="blocked"``.
+    and shape: on CPU, ``"native"``, the scan compiled as XLA custom calls
+    (``aaren_jax.native``; built with the machine's C++ compiler on first use), fastest at
+    every length measured from T = 2 to 16,384, forward and backward
+    (``benchmarks/short_sequences.py``, ``benchmarks/scan.py``). Where it cannot be built
+    (with a warning), sequences of ``BLOCKED_MIN_TOKENS`` (16) or more take ``"blocked"``,
+    shorter ones ``"associative"``, as on other backends (not measured here).
+    ``"native"`` and ``"blocked"`` differentiate in both modes, to any order (one custom
+    JVP, which JAX transposes for the backward pass). ``jax.export`` cannot serialise the
+    custom calls: export with ``method="blocked"``.
     Other names are returned as they are.
 
     Args:
@@ -487,9 +487,9 @@ def resolve_method(method: str, num_tokens: int, backend: str | None = None) -> 
     if method != "auto":
         return method
     on_cpu = (backend or jax.default_backend()) == "cpu"
-    if not on_cpu or num_tokens < BLOCKED_MIN_TOKENS:
-        return "associative"
-    return "native" if native_scan.available(warn=True) else "blocked"
+    if on_cpu and native_scan.available(warn=True):
+        return "native"
+    return "blocked" if on_cpu and num_tokens >= BLOCKED_MIN_TOKENS else "associative"
 
 
 def check_chunk_size(chunk_size) -> int:
