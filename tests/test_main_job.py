@@ -19,6 +19,8 @@ def test_main_job_passes_and_reports(capsys):
     assert "left padding" in table and "scores:" in table and "All checks passed" in table
     for method in main_job.METHODS:
         assert any(line.split()[:1] == [method] and "pass" in line for line in table.splitlines())
+    resolved = report["scan"]["auto_resolves_to"]
+    assert resolved in ("native", "blocked", "associative") and f"auto ({resolved})" in table
 
 
 def test_main_job_exits_nonzero_when_a_check_fails(capsys, monkeypatch):

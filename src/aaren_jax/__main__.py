@@ -23,7 +23,7 @@ from flax import nnx
 
 import aaren_jax as aj
 
-METHODS = ("auto", "associative", "sequential", "chunked")
+METHODS = ("auto", "blocked", "associative", "sequential", "chunked")
 # float32 tolerances (absolute, values are O(1)): about 40x the round-off seen on CPU at the
 # default shape. Checks run at "highest" matmul precision, so that GPUs (TF32) and TPUs
 # (bfloat16 passes) are held to the same float32 standard.
@@ -92,7 +92,8 @@ def scan_report(batch, heads, length, dim=32):
         loop_outputs.append(out)
     loop_outputs = jnp.stack(loop_outputs, axis=-2)
 
-    report = {"case": case, "tolerance": SCAN_TOL, "methods": {}}
+    auto = aj.resolve_method("auto", length)
+    report = {"case": case, "tolerance": SCAN_TOL, "auto_resolves_to": auto, "methods": {}}
     for method in METHODS:
         fn = jax.jit(lambda s, v, m, method=method: aj.prefix_attention(s, v, m, method=method))
         outputs, final = fn(scores, values, mask)
@@ -166,7 +167,7 @@ def format_table(report) -> str:
         loop = max(m["max_abs_diff_vs_step_loop"], m["final_readout_diff_vs_step_loop"])
         rows.append(
             (
-                name,
+                f"auto ({scan['auto_resolves_to']})" if name == "auto" else name,
                 f"{m['max_abs_error_vs_float64']:.1e}",
                 f"{loop:.1e}",
                 f"{scan['tolerance']:.0e}",
