@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from aaren_jax import native
+from aaren_jax.native import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,18 +51,6 @@ def repeat(fn: Callable, repeats: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         jax.block_until_ready(fn())
     return [timed(fn)[0] for _ in range(repeats)]
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``platform.processor()`` is often empty on Linux)."""
-    name = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return name or platform.machine()
 
 
 def transparent_hugepages() -> str | None:

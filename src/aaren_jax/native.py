@@ -48,7 +48,8 @@ FLAGS = (
 )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` is often empty)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -65,7 +66,7 @@ def _cache_dir() -> Path:
 
 def _library_path(compiler: str) -> Path:
     key = "\n".join(
-        [SOURCE.read_text(), compiler, *FLAGS, jax.__version__, platform.machine(), _cpu_model()]
+        [SOURCE.read_text(), compiler, *FLAGS, jax.__version__, platform.machine(), cpu_model()]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return _cache_dir() / f"prefix_scan-{digest}.so"

@@ -220,106 +220,97 @@ void ForRows(ffi::ThreadPool& pool, int64_t num_rows, int64_t work_items, F rows
   work->finished.wait(lock, [&] { return work->done.load() == ranges; });
 }
 
-template <typename T>
-ffi::Error Scan(ffi::ThreadPool pool, ffi::AnyBuffer scores, ffi::AnyBuffer counts,
-                ffi::AnyBuffer values, ffi::AnyBuffer init_m, ffi::AnyBuffer init_u,
-                ffi::AnyBuffer init_w, ffi::Result<ffi::AnyBuffer> outputs,
-                ffi::Result<ffi::AnyBuffer> refs, ffi::Result<ffi::AnyBuffer> sums,
-                ffi::Result<ffi::AnyBuffer> final_m, ffi::Result<ffi::AnyBuffer> final_u,
-                ffi::Result<ffi::AnyBuffer> final_w) {
-  const auto dims = values.dimensions();
-  if (dims.size() < 2) return ffi::Error::InvalidArgument("values must be [..., T, D]");
-  const int64_t num_tokens = dims[dims.size() - 2];
-  const int64_t dim = dims[dims.size() - 1];
-  const int64_t num_rows = num_tokens == 0 ? 0 : scores.element_count() / num_tokens;
-  const T* s = scores.typed_data<T>();
-  const T* c = counts.typed_data<T>();
-  const T* v = values.typed_data<T>();
-  const T* m0 = init_m.typed_data<T>();
-  const T* u0 = init_u.typed_data<T>();
-  const T* w0 = init_w.typed_data<T>();
-  T* o = outputs->typed_data<T>();
-  T* r = refs->typed_data<T>();
-  T* su = sums->typed_data<T>();
-  T* fm = final_m->typed_data<T>();
-  T* fu = final_u->typed_data<T>();
-  T* fw = final_w->typed_data<T>();
+// Rows R (all leading axes), tokens T and value width D of scores [R..., T] and values
+// [R..., T, D]; the work per call, for ForRows.
+struct RowShape {
+  int64_t rows, tokens, dim;
+  int64_t work() const { return rows * tokens * std::max<int64_t>(dim, 1); }
+};
 
-  ForRows(pool, num_rows, num_rows * num_tokens * std::max<int64_t>(dim, 1),
-          [=](int64_t begin, int64_t end) {
-            std::vector<T> w(dim), w_err(dim);
-            for (int64_t i = begin; i < end; ++i) {
-              ScanRow<T>(num_tokens, dim, s + i * num_tokens, c + i * num_tokens,
-                         v + i * num_tokens * dim, m0[i], u0[i], w0 + i * dim,
-                         o + i * num_tokens * dim, r + i * num_tokens, su + i * num_tokens,
-                         fm + i, fu + i, fw + i * dim, w.data(), w_err.data());
-            }
-          });
-  return ffi::Error::Success();
+inline RowShape ShapeOf(const ffi::AnyBuffer& scores, const ffi::AnyBuffer& values) {
+  const auto dims = values.dimensions();
+  const int64_t tokens = dims[dims.size() - 2];
+  return {tokens == 0 ? 0 : static_cast<int64_t>(scores.element_count()) / tokens, tokens,
+          dims[dims.size() - 1]};
 }
 
-template <typename T>
+// Runs `run(T{})` for the buffers' float type T; other types are an error.
+template <typename F>
+ffi::Error ForFloatType(const ffi::AnyBuffer& values, F run) {
+  if (values.dimensions().size() < 2) {
+    return ffi::Error::InvalidArgument("prefix scan: values must be [..., T, D]");
+  }
+  switch (values.element_type()) {
+    case ffi::DataType::F32:
+      run(float{});
+      return ffi::Error::Success();
+    case ffi::DataType::F64:
+      run(double{});
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("prefix scan: float32 or float64 only");
+  }
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer scores, ffi::AnyBuffer counts,
+                   ffi::AnyBuffer values, ffi::AnyBuffer init_m, ffi::AnyBuffer init_u,
+                   ffi::AnyBuffer init_w, ffi::Result<ffi::AnyBuffer> outputs,
+                   ffi::Result<ffi::AnyBuffer> refs, ffi::Result<ffi::AnyBuffer> sums,
+                   ffi::Result<ffi::AnyBuffer> final_m, ffi::Result<ffi::AnyBuffer> final_u,
+                   ffi::Result<ffi::AnyBuffer> final_w) {
+  return ForFloatType(values, [&](auto zero) {
+    using T = decltype(zero);
+    const RowShape n = ShapeOf(scores, values);
+    const T *s = scores.typed_data<T>(), *c = counts.typed_data<T>();
+    const T *v = values.typed_data<T>(), *m0 = init_m.typed_data<T>();
+    const T *u0 = init_u.typed_data<T>(), *w0 = init_w.typed_data<T>();
+    T *o = outputs->typed_data<T>(), *r = refs->typed_data<T>(), *su = sums->typed_data<T>();
+    T *fm = final_m->typed_data<T>(), *fu = final_u->typed_data<T>();
+    T* fw = final_w->typed_data<T>();
+    ForRows(pool, n.rows, n.work(), [=](int64_t begin, int64_t end) {
+      std::vector<T> w(n.dim), w_err(n.dim);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = i * n.tokens, row_d = row * n.dim;
+        ScanRow<T>(n.tokens, n.dim, s + row, c + row, v + row_d, m0[i], u0[i], w0 + i * n.dim,
+                   o + row_d, r + row, su + row, fm + i, fu + i, fw + i * n.dim, w.data(),
+                   w_err.data());
+      }
+    });
+  });
+}
+
 ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer scores, ffi::AnyBuffer counts,
                     ffi::AnyBuffer values, ffi::AnyBuffer outputs, ffi::AnyBuffer refs,
                     ffi::AnyBuffer sums, ffi::AnyBuffer init_m, ffi::AnyBuffer g,
                     ffi::AnyBuffer g_unorm, ffi::AnyBuffer g_final_u, ffi::AnyBuffer g_final_w,
                     ffi::Result<ffi::AnyBuffer> d_scores, ffi::Result<ffi::AnyBuffer> d_values,
                     ffi::Result<ffi::AnyBuffer> d_init_u, ffi::Result<ffi::AnyBuffer> d_init_w) {
-  const auto dims = values.dimensions();
-  if (dims.size() < 2) return ffi::Error::InvalidArgument("values must be [..., T, D]");
-  const int64_t num_tokens = dims[dims.size() - 2];
-  const int64_t dim = dims[dims.size() - 1];
-  const int64_t num_rows = num_tokens == 0 ? 0 : scores.element_count() / num_tokens;
-  const T* s = scores.typed_data<T>();
-  const T* c = counts.typed_data<T>();
-  const T* v = values.typed_data<T>();
-  const T* o = outputs.typed_data<T>();
-  const T* r = refs.typed_data<T>();
-  const T* su = sums.typed_data<T>();
-  const T* m0 = init_m.typed_data<T>();
-  const T* gg = g.typed_data<T>();
-  const T* gn = g_unorm.typed_data<T>();
-  const T* gu = g_final_u.typed_data<T>();
-  const T* gw = g_final_w.typed_data<T>();
-  T* ds = d_scores->typed_data<T>();
-  T* dv = d_values->typed_data<T>();
-  T* du0 = d_init_u->typed_data<T>();
-  T* dw0 = d_init_w->typed_data<T>();
-  ForRows(pool, num_rows, num_rows * num_tokens * std::max<int64_t>(dim, 1),
-          [=](int64_t begin, int64_t end) {
-            std::vector<T> a(dim), a_err(dim);
-            for (int64_t i = begin; i < end; ++i) {
-              const int64_t row = i * num_tokens, row_d = row * dim;
-              BackwardRow<T>(num_tokens, dim, s + row, c + row, v + row_d, o + row_d, r + row,
-                             su + row, m0[i], gg + row_d, gn + row, gu[i], gw + i * dim,
-                             ds + row, dv + row_d, du0 + i, dw0 + i * dim, a.data(),
-                             a_err.data());
-            }
-          });
-  return ffi::Error::Success();
-}
-
-ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer scores, ffi::AnyBuffer counts,
-                    ffi::AnyBuffer values, ffi::AnyBuffer init_m, ffi::AnyBuffer init_u,
-                    ffi::AnyBuffer init_w, ffi::Result<ffi::AnyBuffer> outputs,
-                    ffi::Result<ffi::AnyBuffer> refs, ffi::Result<ffi::AnyBuffer> sums,
-                    ffi::Result<ffi::AnyBuffer> final_m, ffi::Result<ffi::AnyBuffer> final_u,
-                    ffi::Result<ffi::AnyBuffer> final_w) {
-  switch (values.element_type()) {
-    case ffi::DataType::F32:
-      return Scan<float>(pool, scores, counts, values, init_m, init_u, init_w, outputs, refs,
-                         sums, final_m, final_u, final_w);
-    case ffi::DataType::F64:
-      return Scan<double>(pool, scores, counts, values, init_m, init_u, init_w, outputs, refs,
-                          sums, final_m, final_u, final_w);
-    default:
-      return ffi::Error::InvalidArgument("prefix scan: float32 or float64 only");
-  }
+  return ForFloatType(values, [&](auto zero) {
+    using T = decltype(zero);
+    const RowShape n = ShapeOf(scores, values);
+    const T *s = scores.typed_data<T>(), *c = counts.typed_data<T>();
+    const T *v = values.typed_data<T>(), *o = outputs.typed_data<T>();
+    const T *r = refs.typed_data<T>(), *su = sums.typed_data<T>();
+    const T *m0 = init_m.typed_data<T>(), *gg = g.typed_data<T>();
+    const T *gn = g_unorm.typed_data<T>(), *gu = g_final_u.typed_data<T>();
+    const T* gw = g_final_w.typed_data<T>();
+    T *ds = d_scores->typed_data<T>(), *dv = d_values->typed_data<T>();
+    T *du0 = d_init_u->typed_data<T>(), *dw0 = d_init_w->typed_data<T>();
+    ForRows(pool, n.rows, n.work(), [=](int64_t begin, int64_t end) {
+      std::vector<T> a(n.dim), a_err(n.dim);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = i * n.tokens, row_d = row * n.dim;
+        BackwardRow<T>(n.tokens, n.dim, s + row, c + row, v + row_d, o + row_d, r + row,
+                       su + row, m0[i], gg + row_d, gn + row, gu[i], gw + i * n.dim, ds + row,
+                       dv + row_d, du0 + i, dw0 + i * n.dim, a.data(), a_err.data());
+      }
+    });
+  });
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AarenPrefixScan, Dispatch,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AarenPrefixScan, Forward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
@@ -335,29 +326,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AarenPrefixScan, Dispatch,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
-ffi::Error DispatchBackward(ffi::ThreadPool pool, ffi::AnyBuffer scores, ffi::AnyBuffer counts,
-                            ffi::AnyBuffer values, ffi::AnyBuffer outputs, ffi::AnyBuffer refs,
-                            ffi::AnyBuffer sums, ffi::AnyBuffer init_m, ffi::AnyBuffer g,
-                            ffi::AnyBuffer g_unorm, ffi::AnyBuffer g_final_u,
-                            ffi::AnyBuffer g_final_w, ffi::Result<ffi::AnyBuffer> d_scores,
-                            ffi::Result<ffi::AnyBuffer> d_values,
-                            ffi::Result<ffi::AnyBuffer> d_init_u,
-                            ffi::Result<ffi::AnyBuffer> d_init_w) {
-  switch (values.element_type()) {
-    case ffi::DataType::F32:
-      return Backward<float>(pool, scores, counts, values, outputs, refs, sums, init_m, g,
-                             g_unorm, g_final_u, g_final_w, d_scores, d_values, d_init_u,
-                             d_init_w);
-    case ffi::DataType::F64:
-      return Backward<double>(pool, scores, counts, values, outputs, refs, sums, init_m, g,
-                              g_unorm, g_final_u, g_final_w, d_scores, d_values, d_init_u,
-                              d_init_w);
-    default:
-      return ffi::Error::InvalidArgument("prefix scan backward: float32 or float64 only");
-  }
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AarenPrefixScanBackward, DispatchBackward,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AarenPrefixScanBackward, Backward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // scores
