@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -98,9 +99,17 @@ def _build(compiler: str, library: Path) -> None:
             os.replace(built, library)
 
 
-@functools.cache
+_LOAD_LOCK = threading.Lock()  # one registration, whatever the number of threads tracing
+
+
 def _load() -> str | None:
-    """Builds (or finds) and registers the library: None, or why it is not available."""
+    """Builds (or finds) and registers the library once: None, or why it is not available."""
+    with _LOAD_LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> str | None:
     if os.environ.get("AAREN_JAX_NATIVE", "1") == "0":
         return "disabled by AAREN_JAX_NATIVE=0"
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
