@@ -115,8 +115,8 @@ def _load_once() -> str | None:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return "no C++ compiler found (set CXX)"
-    library = _library_path(compiler)
     try:
+        library = _library_path(compiler)  # reads the source: an OSError if it is missing
         if not library.exists():
             _build(compiler, library)
         loaded = ctypes.cdll.LoadLibrary(str(library))
