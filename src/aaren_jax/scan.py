@@ -23,7 +23,8 @@ Numerics (binding, SPEC 1.2):
   * a state made with ``init_state(..., compensated=True)`` carries the rounding errors of
     ``u`` and ``w`` (Kahan summation), so that a stream of 10^6 tokens stays within float32
     round-off of a float64 computation; the parallel methods need no compensation (their
-    sums are blocked or tree-shaped);
+    sums are blocked or tree-shaped) and the compiled scan (``"native"``) compensates its
+    sequential sums itself;
   * a masked token is the identity ``(-inf, 0, 0)``; ``exp(-inf - (-inf))`` is never
     evaluated: the exponent's reference is 0 where the running max is still ``-inf``;
   * an output with no unmasked token at or before it is exactly 0, with zero gradient;
@@ -50,8 +51,9 @@ Array = jax.Array
 
 METHODS = ("auto", "native", "blocked", "associative", "sequential", "chunked", "single")
 DEFAULT_CHUNK_SIZE = 64
-# From this length on "auto" takes the blocked kernel on CPU. benchmarks/short_sequences.py
-# (results/short_sequences_cpu.json): from T = 16 the associative scan was never the fastest,
+# Where the compiled scan cannot be built, "auto" takes the blocked kernel on CPU from this
+# length on. benchmarks/short_sequences.py (results/short_sequences_cpu.json): from T = 16
+# the associative scan was never the fastest,
 # forward or forward+backward (up to 4x slower than the fastest, and 2-4x slower to compile
 # than the blocked kernel); below, every method takes under 0.2 ms and the associative
 # scan's forward was the fastest.
