@@ -53,10 +53,9 @@ METHODS = ("auto", "native", "blocked", "associative", "sequential", "chunked", 
 DEFAULT_CHUNK_SIZE = 64
 # Where the compiled scan cannot be built, "auto" takes the blocked kernel on CPU from this
 # length on. benchmarks/short_sequences.py (results/short_sequences_cpu.json): from T = 16
-# the associative scan was never the fastest,
-# forward or forward+backward (up to 4x slower than the fastest, and 2-4x slower to compile
-# than the blocked kernel); below, every method takes under 0.2 ms and the associative
-# scan's forward was the fastest.
+# the associative scan was never the fastest, forward or forward+backward (up to 4x slower
+# than the fastest, and 2-4x slower to compile than the blocked kernel); below, every method
+# takes under 0.2 ms and the associative scan's forward was the fastest.
 BLOCKED_MIN_TOKENS = 16
 # Block size of the blocked kernel's tangent (dense TANGENT_BLOCK x TANGENT_BLOCK weights):
 # benchmarks/tangent_blocks.py timed 8, 16, 32 and 64 (results/tangent_blocks_cpu.json).
