@@ -143,6 +143,13 @@ def available(warn: bool = False) -> bool:
     return reason is None
 
 
+def _require() -> None:
+    """Raises RuntimeError, with the reason, unless the compiled scan can run here."""
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f'method "native" is not available: {reason}')
+
+
 @functools.cache
 def _warn_once(reason: str) -> None:
     warnings.warn(
@@ -173,9 +180,7 @@ def prefix_scan(
       w [R..., D])``: per position the output, the exponent's reference (the running max,
       0 before anything is attended) and the sum ``u`` relative to it; then the final state.
     """
-    reason = _load()
-    if reason is not None:
-        raise RuntimeError(f'method "native" is not available: {reason}')
+    _require()
     shapes = [values, scores, scores, init_m, init_u, init_w]
     out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes]
     call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="broadcast_all")
@@ -210,9 +215,7 @@ def prefix_scan_backward(
     Returns:
       ``(d_scores [R..., T], d_values [R..., T, D], d_init_u [R...], d_init_w [R..., D])``.
     """
-    reason = _load()
-    if reason is not None:
-        raise RuntimeError(f'method "native" is not available: {reason}')
+    _require()
     shapes = [scores, values, init_m, g_final_w]
     out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in shapes]
     call = jax.ffi.ffi_call(BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
