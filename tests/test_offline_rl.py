@@ -14,7 +14,17 @@ pytest.importorskip("mujoco")
 
 from flax import nnx  # noqa: E402
 
-from examples.offline_rl import configs, data, drift, generate, model, report, sac, train  # noqa: E402
+from examples.offline_rl import (  # noqa: E402
+    conditioning,
+    configs,
+    data,
+    drift,
+    generate,
+    model,
+    report,
+    sac,
+    train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +278,43 @@ def test_sweep_refuses_a_results_file_of_another_context(tmp_path):
     sweep.main(["--results", str(results), "--dry-run", "--envs", "hopper", "--seeds", "0"])
     with pytest.raises(SystemExit, match="context"):
         sweep.main(["--results", str(results), "--dry-run", "--context", "60"])
+
+
+@pytest.mark.parametrize("backbone", ["transformer", "aaren"])
+def test_conditioning_weights_rebuild_the_layer_output(backbone):
+    """The last state token's weights, applied to the layer's values, give its output."""
+    cfg = dataclasses.replace(configs.tiny_config(backbone=backbone).model, num_heads=2)
+    layer = model.DecisionModel(cfg, 5, 2, rngs=nnx.Rngs(0)).backbone.blocks[0].attention
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 9, 16)), jnp.float32)
+    w = conditioning.last_state_weights(layer, x)  # [B, H, T - 1]
+    assert w.shape == (3, 2, 8)
+    np.testing.assert_allclose(np.sum(np.asarray(w, np.float64), axis=-1), 1.0, rtol=1e-6)
+    values = np.asarray(layer.v_proj(x[:, :8]), np.float64).reshape(3, 8, 2, 8)
+    mixed = np.einsum("bht,bthd->bhd", np.asarray(w, np.float64), values).reshape(3, 16)
+    want = mixed @ np.asarray(layer.o_proj.kernel[...]) + np.asarray(layer.o_proj.bias[...])
+    np.testing.assert_allclose(np.asarray(layer(x))[:, 7], want, rtol=1e-4, atol=1e-5)
+
+
+def test_conditioning_script_records_every_target(generated, tmp_path):
+    root, _, _ = generated
+    out = tmp_path / "conditioning.json"
+    argv = ["--data-root", str(root), "--steps", "500", "--max-steps", "2", "--no-progress"]
+    argv += ["--models", "aaren", "--fractions", "1", "2", "--episodes", "1", "--heads", "2"]
+    argv += ["--workdir-root", str(tmp_path / "runs"), "--out", str(out)]
+    records = conditioning.main(argv)
+    assert json.loads(out.read_text()) == records
+    cfg = configs.get_config()
+    cfg.data.data_root = str(root)
+    best = max(float(np.sum(r)) for r in train.load_data(cfg).rewards)
+    assert [r["target"] for r in records] == ["1x best", "2x best", "corl"]
+    assert records[0]["target_return"] == pytest.approx(best)
+    assert records[1]["target_return"] == pytest.approx(2 * best)
+    assert records[2]["target_return"] == configs.TARGET_RETURNS["hopper"][0]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["hopper-medium-aaren-0-500-h2"]
+    for r in records:
+        assert r["num_heads"] == 2 and r["train_steps"] == 2
+        assert np.isfinite(r["score"]) and r["stream_score"] is not None
+        assert r["open_loop_mse"] > 0 and len(r["attention_share"]) == 3
+        for layer in r["attention_share"]:
+            total = layer["return"] + layer["state"] + layer["action"]
+            assert total == pytest.approx(1.0, abs=1e-5)

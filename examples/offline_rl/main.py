@@ -31,6 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="training updates (a multiple of 500)")
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumable) after these")
     p.add_argument("--context", type=int, default=None, help="context K in steps (CORL: 20)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (CORL: 1)")
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--target-return", type=float, default=None)
     p.add_argument("--no-stream", action="store_true", help="skip Aaren's streamed evaluation")
@@ -43,6 +44,8 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
     cfg.data.dataset_id = args.dataset_id
     cfg.data.data_root = args.data_root
     configs.set_run_length(cfg, args.steps, args.context)
+    if args.heads is not None:
+        cfg.model.num_heads = args.heads
     cfg.loop.max_steps = args.max_steps
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes
