@@ -4,7 +4,7 @@
         --steps 2000 --data-root <cache>
 
 Trains one Decision Aaren as ``main.py`` does (every ``main.py`` option applies; the run
-folder, default ``workdirs/offline_rl/drift/<env>-<dataset>-aaren-<seed>-<steps>``, keeps its
+folder, default ``workdirs/offline_rl/drift/`` and ``main.study_name``, keeps its
 checkpoints, so a rerun resumes or reuses the trained parameters), then plays
 ``--episodes`` episodes in closed loop with the windowed policy (what training matches) and,
 at every step, asks the stream for its action on the very same history (teacher forcing:
@@ -106,10 +106,7 @@ def main(argv=None) -> dict:
     own, rest = p.parse_known_args(argv)
     args = cli.parse_args([*rest, "--model", "aaren"])
     cfg = cli.config_from_args(args)
-    steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
-    name = f"{args.env}-{args.dataset}-aaren-{args.seed}-{steps}"
-    if cfg.model.seq_len != configs.ModelConfig.seq_len:
-        name += f"-k{cfg.model.seq_len}"
+    name = cli.study_name(cfg)
     workdir = args.workdir or str(REPO_ROOT / "workdirs" / "offline_rl" / "drift" / name)
     traj = train.load_data(cfg)
     result = train.fit_model(cfg, traj, workdir)  # a plain folder: its checkpoints stay

@@ -55,6 +55,20 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
     return cfg
 
 
+def study_name(cfg: configs.Config) -> str:
+    """``<env>-<dataset>-<model>-<seed>-<updates>[-k<K>][-h<heads>]``: the folder of a run that
+    keeps its checkpoints for a study (``drift.py``, ``conditioning.py``); the suffixes name
+    what differs from CORL's context and heads."""
+    steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
+    d, m = cfg.data, cfg.model
+    name = f"{d.env}-{d.dataset}-{m.backbone}-{cfg.loop.seed}-{steps}"
+    if m.seq_len != configs.ModelConfig.seq_len:
+        name += f"-k{m.seq_len}"
+    if m.num_heads != configs.ModelConfig.num_heads:
+        name += f"-h{m.num_heads}"
+    return name
+
+
 def main(argv=None) -> None:
     setup_logging()
     ensure_importable()
