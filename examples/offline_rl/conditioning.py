@@ -76,18 +76,8 @@ def attention_shares(model, batch: dict) -> list[dict]:
     Windows are full (every step inside the episode), so the causal prefix of the last
     state token is every token but the last action.
     """
-    states, actions, returns, timesteps = (
-        batch[k] for k in ("states", "actions", "returns", "timesteps")
-    )
-    b, k = returns.shape
-    x = jnp.stack(
-        [
-            model.embed_return(returns, timesteps),
-            model.embed_state(states, timesteps),
-            model.embed_action(actions, timesteps),
-        ],
-        axis=2,
-    ).reshape(b, 3 * k, -1)
+    k = batch["returns"].shape[1]
+    x = model.tokens(*(batch[key] for key in ("states", "actions", "returns", "timesteps")))
     out = []
     for i, block in enumerate(model.backbone.blocks):
         w = last_state_weights(block.attention, block.norm1(x))

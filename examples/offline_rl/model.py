@@ -111,8 +111,17 @@ class DecisionModel(nnx.Module):
         Returns:
           [B, K, A] the action predicted at each step's state token.
         """
+        token_mask = None
+        if mask is not None:
+            token_mask = jnp.repeat(mask.astype(bool), 3, axis=1)
+        h = self.backbone(self.tokens(states, actions, returns, timesteps), mask=token_mask)
+        return self.head(h[:, 1::3])
+
+    def tokens(self, states: Array, actions: Array, returns: Array, timesteps: Array) -> Array:
+        """The embedded sequence ``R_0, s_0, a_0, R_1, ...``: [B, K, ...] inputs as in
+        ``__call__`` -> [B, 3K, d]."""
         b, k = returns.shape
-        tokens = jnp.stack(
+        return jnp.stack(
             [
                 self.embed_return(returns, timesteps),
                 self.embed_state(states, timesteps),
@@ -120,11 +129,6 @@ class DecisionModel(nnx.Module):
             ],
             axis=2,
         ).reshape(b, 3 * k, -1)
-        token_mask = None
-        if mask is not None:
-            token_mask = jnp.repeat(mask.astype(bool), 3, axis=1)
-        h = self.backbone(tokens, mask=token_mask)
-        return self.head(h[:, 1::3])
 
 
 def loss_fn(model: DecisionModel, batch: dict) -> tuple[Array, dict]:
