@@ -78,10 +78,10 @@ def attention_shares(model, batch: dict) -> list[dict]:
     """
     k = batch["returns"].shape[1]
     x = model.tokens(*(batch[key] for key in ("states", "actions", "returns", "timesteps")))
+    kind = jnp.arange(3 * k - 1) % 3  # of each token of the prefix, as in TOKEN_KINDS
     out = []
     for i, block in enumerate(model.backbone.blocks):
         w = last_state_weights(block.attention, block.norm1(x))
-        kind = jnp.arange(3 * k - 1) % 3
         share = {
             name: float(jnp.mean(jnp.sum(jnp.where(kind == j, w, 0.0), axis=-1)))
             for j, name in enumerate(TOKEN_KINDS)
