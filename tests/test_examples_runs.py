@@ -1,6 +1,7 @@
 """A researcher's own data and safe reruns: a TSLib CSV through --csv, run folders keyed by
 configuration, sweeps that leave the committed results alone, progress without a terminal."""
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -11,7 +12,7 @@ import pytest
 
 from examples.common.paths import REPO_ROOT
 from examples.common.progress import Progress
-from examples.common.runs import ConfigMismatchError, RunDir, config_hash
+from examples.common.runs import OMIT_DEFAULT, ConfigMismatchError, RunDir, config_hash
 from examples.forecasting import data
 from examples.forecasting import main as forecast_main
 
@@ -168,6 +169,24 @@ def test_run_dir_ignores_display_settings_and_refuses_unknown_runs(tmp_path):
         RunDir(tmp_path / "legacy", cfg)
     RunDir(tmp_path / "legacy", cfg, overwrite=True)
     assert not (tmp_path / "legacy" / "checkpoints").exists()
+
+
+def test_an_added_option_at_its_default_keeps_earlier_runs(tmp_path):
+    @dataclasses.dataclass
+    class Before:
+        width: int = 8
+
+    @dataclasses.dataclass
+    class After:
+        width: int = 8
+        gate: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+
+    RunDir(tmp_path / "a", Before())
+    assert config_hash(After()) == config_hash(Before())
+    RunDir(tmp_path / "a", After())  # the run made before the option resumes
+    assert config_hash(After(gate=True)) != config_hash(Before())
+    with pytest.raises(ConfigMismatchError, match="gate: absent \\(saved\\) -> True"):
+        RunDir(tmp_path / "a", After(gate=True))
 
 
 def _tree_digest(folder):

@@ -139,8 +139,9 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
     assert train.train_and_evaluate(cfg, str(tmp_path / backbone)) == records
 
 
-def test_aaren_stream_equals_parallel():
-    cfg = configs.tiny_config(backbone="aaren").model
+@pytest.mark.parametrize("fold_return", [False, True])
+def test_aaren_stream_equals_parallel(fold_return):
+    cfg = dataclasses.replace(configs.tiny_config(backbone="aaren").model, fold_return=fold_return)
     m = model.DecisionModel(cfg, 5, 2, rngs=nnx.Rngs(0))
     m.eval()
     t_len, rng = 7, np.random.default_rng(0)
@@ -157,6 +158,12 @@ def test_aaren_stream_equals_parallel():
         carry, a = step(m, carry, actions[:, t - 1], returns[:, t], states[:, t], ts)
         streamed.append(a)
     np.testing.assert_allclose(np.stack(streamed, 1), parallel, rtol=1e-4, atol=1e-5)
+    tokens = m.tokens(states, actions, returns, timesteps)
+    assert tokens.shape == (2, len(cfg.token_kinds) * t_len, cfg.embedding_dim)
+    # each step's action reads that step's return: through its own token, or folded in
+    later = returns.at[:, 3].add(1.0)
+    moved = np.abs(np.asarray(m(states, actions, later, timesteps) - parallel)).max(axis=(0, 2))
+    assert np.all(moved[:3] < 1e-6) and moved[3] > 1e-4  # earlier steps: round-off only
 
 
 def test_resume_gives_the_same_parameters(generated, tmp_path):
@@ -278,6 +285,8 @@ def test_sweep_refuses_a_results_file_of_another_context(tmp_path):
     sweep.main(["--results", str(results), "--dry-run", "--envs", "hopper", "--seeds", "0"])
     with pytest.raises(SystemExit, match="context"):
         sweep.main(["--results", str(results), "--dry-run", "--context", "60"])
+    with pytest.raises(SystemExit, match="fold_return"):
+        sweep.main(["--results", str(results), "--dry-run", "--fold-return"])
 
 
 @pytest.mark.parametrize("backbone", ["transformer", "aaren"])
@@ -295,11 +304,13 @@ def test_conditioning_weights_rebuild_the_layer_output(backbone):
     np.testing.assert_allclose(np.asarray(layer(x))[:, 7], want, rtol=1e-4, atol=1e-5)
 
 
-def test_conditioning_script_records_every_target(generated, tmp_path):
+@pytest.mark.parametrize("fold_return", [False, True])
+def test_conditioning_script_records_every_target(generated, tmp_path, fold_return):
     root, _, _ = generated
     out = tmp_path / "conditioning.json"
     argv = ["--data-root", str(root), "--steps", "500", "--max-steps", "2", "--no-progress"]
     argv += ["--models", "aaren", "--fractions", "1", "2", "--episodes", "1", "--heads", "2"]
+    argv += ["--fold-return"] if fold_return else []
     argv += ["--workdir-root", str(tmp_path / "runs"), "--out", str(out)]
     records = conditioning.main(argv)
     assert json.loads(out.read_text()) == records
@@ -310,11 +321,14 @@ def test_conditioning_script_records_every_target(generated, tmp_path):
     assert records[0]["target_return"] == pytest.approx(best)
     assert records[1]["target_return"] == pytest.approx(2 * best)
     assert records[2]["target_return"] == configs.TARGET_RETURNS["hopper"][0]
-    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["hopper-medium-aaren-0-500-h2"]
+    run = "hopper-medium-aaren-0-500-h2" + ("-fold" if fold_return else "")
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run]
+    kinds = ["state", "action"] if fold_return else ["return", "state", "action"]
     for r in records:
         assert r["num_heads"] == 2 and r["train_steps"] == 2
+        assert r.get("fold_return", False) == fold_return
         assert np.isfinite(r["score"]) and r["stream_score"] is not None
         assert r["open_loop_mse"] > 0 and len(r["attention_share"]) == 3
         for layer in r["attention_share"]:
-            total = layer["return"] + layer["state"] + layer["action"]
-            assert total == pytest.approx(1.0, abs=1e-5)
+            assert sorted(layer) == sorted(["layer", *kinds])
+            assert sum(layer[kind] for kind in kinds) == pytest.approx(1.0, abs=1e-5)

@@ -47,11 +47,30 @@ class ConfigMismatchError(ValueError):
     """A run folder was made with another configuration; the message lists the differences."""
 
 
+# Field metadata of an option added after runs were made: while the option is at its
+# default it is left out of the configuration (dict, hash, saved config.json), so the runs
+# made before it keep their folders and resume.
+OMIT_DEFAULT = {"omit_default": True}
+
+
+def _asdict(obj: Any) -> Any:
+    """``dataclasses.asdict`` without the ``OMIT_DEFAULT`` fields that hold their default."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {
+            f.name: _asdict(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not (f.metadata.get("omit_default") and getattr(obj, f.name) == f.default)
+        }
+    if isinstance(obj, Mapping):
+        return {k: _asdict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_asdict(v) for v in obj]
+    return obj
+
+
 def config_dict(config: Any) -> dict:
     """A JSON-ready dict of a dataclass (nested ones included) or a mapping."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = dataclasses.asdict(config)
-    return json.loads(json.dumps(dict(config), default=list))
+    return json.loads(json.dumps(dict(_asdict(config)), default=list))
 
 
 def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -23,9 +23,11 @@ One record per (model, target) goes to ``--out`` (default
 ``results/offline_rl_conditioning.json``): ``{"env", "dataset", "model", "seed",
 "train_steps", "context_steps", "num_heads", "target", "target_return", "fraction_of_best",
 "score", "score_std", "episode_len", "stream_score", "stream_episode_len", "open_loop_mse",
-"attention_share": [{"layer", "return", "state", "action"}, ...], "command"}``.
+"attention_share": [{"layer", "return", "state", "action"}, ...], "command"}`` (folded
+returns, ``--fold-return``: no ``"return"`` share, and ``"fold_return": true``).
 
-Shape notation: ``B`` windows, ``K`` steps, ``T = 3K`` tokens, ``H`` heads, ``D`` head size.
+Shape notation: ``B`` windows, ``K`` steps, ``T = nK`` tokens (``n`` per step:
+``ModelConfig.token_kinds``), ``H`` heads, ``D`` head size.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ from examples.offline_rl.data import SequenceData, validation_subset  # noqa: E4
 
 DEFAULT_OUT = REPO_ROOT / "results" / "offline_rl_conditioning.json"
 DEFAULT_WORKDIRS = REPO_ROOT / "workdirs" / "offline_rl" / "conditioning"
-TOKEN_KINDS = ("return", "state", "action")  # the order of a step's three tokens
 
 
 def last_state_weights(attention, x: jax.Array) -> jax.Array:
@@ -76,15 +77,15 @@ def attention_shares(model, batch: dict) -> list[dict]:
     Windows are full (every step inside the episode), so the causal prefix of the last
     state token is every token but the last action.
     """
-    k = batch["returns"].shape[1]
+    k, kinds = batch["returns"].shape[1], model.config.token_kinds
     x = model.tokens(*(batch[key] for key in ("states", "actions", "returns", "timesteps")))
-    kind = jnp.arange(3 * k - 1) % 3  # of each token of the prefix, as in TOKEN_KINDS
+    kind = jnp.arange(len(kinds) * k - 1) % len(kinds)  # of each token of the prefix
     out = []
     for i, block in enumerate(model.backbone.blocks):
         w = last_state_weights(block.attention, block.norm1(x))
         share = {
             name: float(jnp.mean(jnp.sum(jnp.where(kind == j, w, 0.0), axis=-1)))
-            for j, name in enumerate(TOKEN_KINDS)
+            for j, name in enumerate(kinds)
         }
         out.append({"layer": i, **share})
         x, _ = block.forward(x, None, None)
@@ -144,6 +145,7 @@ def main(argv=None) -> list[dict]:
                 "train_steps": int(result.step),
                 "context_steps": cfg.model.seq_len,
                 "num_heads": cfg.model.num_heads,
+                **({"fold_return": True} if cfg.model.fold_return else {}),
                 "target": target_name,
                 "target_return": float(target),
                 "fraction_of_best": float(target / best),
@@ -160,12 +162,11 @@ def main(argv=None) -> list[dict]:
             append_record(own.out, record)
             records.append(record)
             stream_txt = "" if stream is None else f" stream {stream['score']:.1f}"
-            last = shares[-1]
+            last = ", ".join(f"{kind}s {shares[-1][kind]:.2f}" for kind in cfg.model.token_kinds)
             print(
                 f"{model_name:11s} {target_name:9s} ({target:7.1f}): score "
                 f"{window['score']:.1f}{stream_txt}, open-loop mse {mse:.3f}, last layer's "
-                f"attention on returns {last['return']:.2f} states {last['state']:.2f} "
-                f"actions {last['action']:.2f}",
+                f"attention on {last}",
                 flush=True,
             )
     return records

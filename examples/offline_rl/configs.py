@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from examples.common import LoopConfig, OptimConfig
+from examples.common.runs import OMIT_DEFAULT
 from examples.offline_rl.sac import SACConfig
 
 ENV_IDS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
@@ -52,9 +53,18 @@ class ModelConfig:
     num_layers: int = 3  # blocks
     num_heads: int = 1  # attention heads
     seq_len: int = 20  # context K in environment steps (3K tokens: return, state, action)
+    # False (CORL): the return-to-go is a token of its own; True: it is embedded into the
+    # state token (2K tokens: state with return, action), so the state token's residual
+    # carries it rather than attention alone
+    fold_return: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
     episode_len: int = 1000  # timestep embedding covers episode_len + seq_len positions
     dropout: float = 0.1  # embedding, attention and residual dropout
     max_action: float = 1.0  # actions = max_action * tanh(head)
+
+    @property
+    def token_kinds(self) -> tuple[str, ...]:
+        """The kinds of a step's tokens, in order (the state token is the last but one)."""
+        return ("state", "action") if self.fold_return else ("return", "state", "action")
 
 
 @dataclasses.dataclass

@@ -124,7 +124,8 @@ def make_policy(mode: str, model: DecisionModel, batch: int, obs_dim: int, act_d
     if mode == "window":
         return WindowPolicy(model, batch, obs_dim, act_dim)
     if mode == "stream":
-        max_len = 3 * model.config.episode_len if model.config.backbone == "transformer" else None
+        per_episode = len(model.config.token_kinds) * model.config.episode_len
+        max_len = per_episode if model.config.backbone == "transformer" else None
         return StreamPolicy(model, max_len)
     raise ValueError(f"unknown evaluation mode {mode!r}; expected 'window' or 'stream'")
 

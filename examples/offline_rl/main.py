@@ -32,6 +32,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumable) after these")
     p.add_argument("--context", type=int, default=None, help="context K in steps (CORL: 20)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (CORL: 1)")
+    p.add_argument(
+        "--fold-return",
+        action="store_true",
+        help="embed the return-to-go into the state token (CORL: a token of its own)",
+    )
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--target-return", type=float, default=None)
     p.add_argument("--no-stream", action="store_true", help="skip Aaren's streamed evaluation")
@@ -46,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
     configs.set_run_length(cfg, args.steps, args.context)
     if args.heads is not None:
         cfg.model.num_heads = args.heads
+    cfg.model.fold_return = args.fold_return
     cfg.loop.max_steps = args.max_steps
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes
@@ -56,9 +62,9 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
 
 
 def study_name(cfg: configs.Config) -> str:
-    """``<env>-<dataset>-<model>-<seed>-<updates>[-k<K>][-h<heads>]``: the folder of a run that
-    keeps its checkpoints for a study (``drift.py``, ``conditioning.py``); the suffixes name
-    what differs from CORL's context and heads."""
+    """``<env>-<dataset>-<model>-<seed>-<updates>[-k<K>][-h<heads>][-fold]``: the folder of a
+    run that keeps its checkpoints for a study (``drift.py``, ``conditioning.py``); the
+    suffixes name what differs from CORL's context, heads and tokens."""
     steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
     d, m = cfg.data, cfg.model
     name = f"{d.env}-{d.dataset}-{m.backbone}-{cfg.loop.seed}-{steps}"
@@ -66,6 +72,8 @@ def study_name(cfg: configs.Config) -> str:
         name += f"-k{m.seq_len}"
     if m.num_heads != configs.ModelConfig.num_heads:
         name += f"-h{m.num_heads}"
+    if m.fold_return:
+        name += "-fold"
     return name
 
 

@@ -5,7 +5,9 @@ Transformer) or ``aaren_jax.Aaren`` (Decision Aaren, the paper's Section 4.1), e
 equal. As CORL:
 
 * per step ``t`` three tokens, in the order return-to-go ``R_t``, state ``s_t``, action
-  ``a_t``, each a linear embedding plus a learned embedding of the absolute timestep ``t``;
+  ``a_t``, each a linear embedding plus a learned embedding of the absolute timestep ``t``
+  (with ``fold_return``, not CORL's: two, the state token's embedding adding ``R_t``'s, so
+  the state token's residual carries the return it is conditioned on);
 * LayerNorm and dropout on the token sequence, the pre-norm stack (MLP width 4d, GELU,
   dropout 0.1, a final LayerNorm), then ``a_t = max_action * tanh(W h)`` read at the state
   token of step ``t``;
@@ -13,11 +15,12 @@ equal. As CORL:
   entry (padding included, as CORL's ``(loss * mask).mean()``).
 
 Streaming (``stream_start`` / ``stream_next``): the stack's ``step`` takes one token at a
-time, so an episode is fed as ``R_0, s_0 -> a_0``, then ``a_{t-1}, R_t, s_t -> a_t``; for
-Aaren the carry is constant in size over the whole episode.
+time, so an episode is fed as ``R_0, s_0 -> a_0``, then ``a_{t-1}, R_t, s_t -> a_t`` (folded:
+``s_0 -> a_0``, then ``a_{t-1}, s_t -> a_t``); for Aaren the carry is constant in size over
+the whole episode.
 
 Shape notation: ``B`` batch, ``K`` steps, ``S`` observation size, ``A`` action size, ``d``
-embedding width.
+embedding width, ``n`` tokens per step (3, or 2 folded).
 """
 
 from __future__ import annotations
@@ -79,9 +82,13 @@ class DecisionModel(nnx.Module):
         """Return-to-go tokens: returns [...] (scaled), timesteps [...] -> [..., d]."""
         return self._token(self.return_emb(returns[..., None]) + self._time(timesteps))
 
-    def embed_state(self, states: Array, timesteps: Array) -> Array:
-        """State tokens: states [..., S] (normalised) -> [..., d]."""
-        return self._token(self.state_emb(states) + self._time(timesteps))
+    def embed_state(self, states: Array, returns: Array, timesteps: Array) -> Array:
+        """State tokens: states [..., S] (normalised), returns [...] (scaled; embedded here
+        only with ``fold_return``) -> [..., d]."""
+        emb = self.state_emb(states) + self._time(timesteps)
+        if self.config.fold_return:
+            emb = emb + self.return_emb(returns[..., None])
+        return self._token(emb)
 
     def embed_action(self, actions: Array, timesteps: Array) -> Array:
         """Action tokens: actions [..., A] -> [..., d]."""
@@ -111,24 +118,24 @@ class DecisionModel(nnx.Module):
         Returns:
           [B, K, A] the action predicted at each step's state token.
         """
+        n = len(self.config.token_kinds)
         token_mask = None
         if mask is not None:
-            token_mask = jnp.repeat(mask.astype(bool), 3, axis=1)
+            token_mask = jnp.repeat(mask.astype(bool), n, axis=1)
         h = self.backbone(self.tokens(states, actions, returns, timesteps), mask=token_mask)
-        return self.head(h[:, 1::3])
+        return self.head(h[:, n - 2 :: n])
 
     def tokens(self, states: Array, actions: Array, returns: Array, timesteps: Array) -> Array:
-        """The embedded sequence ``R_0, s_0, a_0, R_1, ...``: [B, K, ...] inputs as in
-        ``__call__`` -> [B, 3K, d]."""
+        """The embedded sequence ``R_0, s_0, a_0, R_1, ...`` (folded: ``s_0, a_0, s_1, ...``):
+        [B, K, ...] inputs as in ``__call__`` -> [B, nK, d]."""
         b, k = returns.shape
-        return jnp.stack(
-            [
-                self.embed_return(returns, timesteps),
-                self.embed_state(states, timesteps),
-                self.embed_action(actions, timesteps),
-            ],
-            axis=2,
-        ).reshape(b, 3 * k, -1)
+        per_step = [
+            self.embed_state(states, returns, timesteps),
+            self.embed_action(actions, timesteps),
+        ]
+        if not self.config.fold_return:
+            per_step.insert(0, self.embed_return(returns, timesteps))
+        return jnp.stack(per_step, axis=2).reshape(b, len(per_step) * k, -1)
 
 
 def loss_fn(model: DecisionModel, batch: dict) -> tuple[Array, dict]:
@@ -153,7 +160,8 @@ def eval_fn(model: DecisionModel, batch: dict) -> dict:
 def stream_start(
     model: DecisionModel, returns: Array, states: Array, max_len: int | None = None
 ) -> tuple:
-    """Feeds ``R_0, s_0`` to an empty carry (eval mode): ``(carry, a_0 [B, A])``.
+    """Feeds ``R_0, s_0`` (folded: ``s_0``) to an empty carry (eval mode):
+    ``(carry, a_0 [B, A])``.
 
     Args:
       model: the model, in eval mode.
@@ -164,16 +172,21 @@ def stream_start(
     b = returns.shape[0]
     t = jnp.zeros((b,), jnp.int32)
     carry = model.backbone.init_carry(b, max_len)
-    carry, _ = model.backbone.step(carry, model.embed_return(returns, t))
-    carry, h = model.backbone.step(carry, model.embed_state(states, t))
-    return carry, model.head(h)
+    return _feed_step(model, carry, returns, states, t)
 
 
 def stream_next(
     model: DecisionModel, carry, prev_actions: Array, returns: Array, states: Array, t: Array
 ) -> tuple:
-    """Feeds ``a_{t-1}, R_t, s_t``: ``(carry, a_t [B, A])``; ``t`` [B] the step index (>= 1)."""
+    """Feeds ``a_{t-1}, R_t, s_t`` (folded: ``a_{t-1}, s_t``): ``(carry, a_t [B, A])``; ``t``
+    [B] the step index (>= 1)."""
     carry, _ = model.backbone.step(carry, model.embed_action(prev_actions, t - 1))
-    carry, _ = model.backbone.step(carry, model.embed_return(returns, t))
-    carry, h = model.backbone.step(carry, model.embed_state(states, t))
+    return _feed_step(model, carry, returns, states, t)
+
+
+def _feed_step(model: DecisionModel, carry, returns: Array, states: Array, t: Array) -> tuple:
+    """Feeds step ``t``'s return (unless folded) and state tokens: ``(carry, a_t [B, A])``."""
+    if not model.config.fold_return:
+        carry, _ = model.backbone.step(carry, model.embed_return(returns, t))
+    carry, h = model.backbone.step(carry, model.embed_state(states, returns, t))
     return carry, model.head(h)

@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--context", type=int, default=None, help="context K in steps (CORL: 20); own --results"
     )
+    p.add_argument(
+        "--fold-return",
+        action="store_true",
+        help="return-to-go embedded into the state token (main.py's option); own --results",
+    )
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
@@ -64,6 +69,7 @@ def run_config(args, env: str, ds: str, model: str, seed: int) -> configs.Config
     cfg = configs.get_config(env, ds, model, seed)
     cfg.data.data_root = args.data_root
     configs.set_run_length(cfg, args.steps, args.context)
+    cfg.model.fold_return = args.fold_return
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes
     cfg.loop.progress = not args.no_progress
@@ -87,13 +93,17 @@ def main(argv=None) -> None:
     ensure_importable()
     args = parse_args(argv)
     results = results_path(args.results, "offline_rl")
-    context = args.context or configs.ModelConfig.seq_len
-    # records from before the option were all trained at CORL's 20
-    contexts = {r.get("context_steps", configs.ModelConfig.seq_len) for r in load_records(results)}
-    if contexts - {context}:
+    # one results file, one token layout: records from before the options were all trained
+    # at CORL's context of 20 with the return-to-go as a token of its own
+    layout = (args.context or configs.ModelConfig.seq_len, args.fold_return)
+    layouts = {
+        (r.get("context_steps", configs.ModelConfig.seq_len), r.get("fold_return", False))
+        for r in load_records(results)
+    }
+    if layouts - {layout}:
         raise SystemExit(
-            f"error: {results} holds runs with context {sorted(contexts)}; give --results "
-            f"another file for context {context}"
+            f"error: {results} holds runs with (context, fold_return) {sorted(layouts)}; give "
+            f"--results another file for {layout}"
         )
     done = {record_key(r, KEY) for r in load_records(results)}
     runs = pending_runs(args, done)

@@ -144,7 +144,7 @@ def fit_model(config: Config, traj: Trajectories, workdir: str | None):
         loop=config.loop,
         optim=config.optim,
         workdir=workdir,
-        tokens_per_example=3 * k,
+        tokens_per_example=len(config.model.token_kinds) * k,
         desc=f"{config.data.env}-{config.data.dataset}-{config.model.backbone}",
     )
 
@@ -208,6 +208,7 @@ def train_and_evaluate(
                     "dataset_id": traj.name,
                     "transitions": traj.num_transitions,
                     "context_steps": config.model.seq_len,
+                    **({"fold_return": True} if config.model.fold_return else {}),
                     "train_steps": result.step,
                     "finished": bool(result.done),
                     "fit_mse": result.history[-1]["val_mse"] if result.history else None,
