@@ -332,3 +332,23 @@ def test_conditioning_script_records_every_target(generated, tmp_path, fold_retu
         for layer in r["attention_share"]:
             assert sorted(layer) == sorted(["layer", *kinds])
             assert sum(layer[kind] for kind in kinds) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_conditioning_summary_averages_seeds_and_counts_a_rerun_once():
+    def record(seed, score, fold=False):
+        share = {"layer": 0, "state": 0.6, "action": 0.4}
+        if not fold:
+            share = {"layer": 0, "return": 0.2 + 0.1 * seed, "state": 0.5, "action": 0.3}
+        return {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": seed,
+                "train_steps": 5000, "context_steps": 20, "num_heads": 1, "target": "corl",
+                "score": score, "stream_score": None, "open_loop_mse": 0.1,
+                "attention_share": [share], **({"fold_return": True} if fold else {})}  # fmt: skip
+
+    text = conditioning.summary(
+        [record(0, 99.0), record(0, 10.0), record(1, 20.0), record(0, 5.0, fold=True)]
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| corl")]
+    # seed 0's rerun (10.0) replaces its first record; the folded study is a table of its own
+    assert rows == ["| corl | 15.0 ± 5.0 | - | 0.100 ± 0.000 | 0.25 ± 0.05 |",
+                    "| corl | 5.0 | - | 0.100 | - |"]  # fmt: skip
+    assert "return folded into the state token, seeds [0]" in text

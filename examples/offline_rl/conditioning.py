@@ -2,6 +2,7 @@
 
     python examples/offline_rl/conditioning.py --env hopper --dataset medium-replay --seed 0 \
         --steps 5000 --data-root <cache>
+    python examples/offline_rl/conditioning.py --report   # the tables of the records
 
 Trains one Decision Transformer and one Decision Aaren as ``main.py`` does (every
 ``main.py`` option applies but ``--model``; the run folders,
@@ -44,7 +45,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from examples.common import append_record, setup_logging  # noqa: E402
+from examples.common import append_record, load_records, setup_logging  # noqa: E402
 from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
 from examples.offline_rl import configs, train  # noqa: E402
 from examples.offline_rl import main as cli  # noqa: E402
@@ -107,16 +108,65 @@ def open_loop(model, cfg: configs.Config, traj, shift: float) -> tuple[float, li
     return mse, attention_shares(model, batch)
 
 
+def _mean_std(values: list, fmt: str) -> str:
+    """``mean ± std`` of the values that are not None (one value: itself; none: ``-``)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{np.mean(values):{fmt}} ± {np.std(values):{fmt}}"
+
+
+def summary(records: list[dict]) -> str:
+    """Markdown tables of the records, one per study (environment, dataset, updates, context,
+    heads, layout, model): per target, mean ± standard deviation over the seeds of the window
+    and stream scores, the open-loop MSE and layer 0's share of attention on returns-to-go. A
+    record repeated (a rerun) counts once, its last copy."""
+    runs: dict[tuple, dict] = {}
+    for r in records:
+        study = (r["env"], r["dataset"], r["train_steps"], r["context_steps"], r["num_heads"],
+                 r.get("fold_return", False), r["model"])  # fmt: skip
+        runs[(study, r["seed"], r["target"])] = r
+    lines = []
+    for study in dict.fromkeys(key[0] for key in runs):
+        env, dataset, steps, k, heads, fold, model_name = study
+        rows = [(seed, target, r) for (s, seed, target), r in runs.items() if s == study]
+        seeds = sorted({seed for seed, _, _ in rows})
+        lines += [
+            f"\n{model_name}, {env} {dataset}, {steps} updates, K = {k}, {heads} head(s)"
+            + (", return folded into the state token" if fold else "")
+            + f", seeds {seeds}",
+            "",
+            "| target | score (window) | score (stream) | open-loop MSE | layer 0 on returns |",
+            "|---|---|---|---|---|",
+        ]
+        for target in dict.fromkeys(target for _, target, _ in rows):
+            at = [r for _, t, r in rows if t == target]
+            cells = [
+                _mean_std([r["score"] for r in at], ".1f"),
+                _mean_std([r["stream_score"] for r in at], ".1f"),
+                _mean_std([r["open_loop_mse"] for r in at], ".3f"),
+                _mean_std([r["attention_share"][0].get("return") for r in at], ".2f"),
+            ]
+            lines.append(f"| {target} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> list[dict]:
     setup_logging()
     ensure_importable()
     p = argparse.ArgumentParser(description=__doc__, add_help=False)
+    p.add_argument("--report", action="store_true", help="print --out's tables and exit")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0])
     p.add_argument("--models", nargs="+", default=["transformer", "aaren"])
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--workdir-root", default=str(DEFAULT_WORKDIRS), help="the run folders")
     own, rest = p.parse_known_args(argv)
+    if own.report:
+        print(summary(load_records(own.out)))  # the tables are the command's output
+        return []
     records = []
     for model_name in own.models:
         args = cli.parse_args([*rest, "--model", model_name])
