@@ -53,8 +53,8 @@ class ModelConfig:
     num_layers: int = 3  # blocks
     num_heads: int = 1  # attention heads
     seq_len: int = 20  # context K in environment steps (3K tokens: return, state, action)
-    # False (CORL): the return-to-go is a token of its own; True: it is embedded into the
-    # state token (2K tokens: state with return, action), so the state token's residual
+    # False (CORL): the return-to-go is a token of its own; True: the return token is added
+    # to the state token (2K tokens: state + return, action), so the state token's residual
     # carries it rather than attention alone
     fold_return: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
     episode_len: int = 1000  # timestep embedding covers episode_len + seq_len positions

@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fold-return",
         action="store_true",
-        help="embed the return-to-go into the state token (CORL: a token of its own)",
+        help="add the return-to-go token to the state token (CORL: a token of its own)",
     )
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--target-return", type=float, default=None)

@@ -6,8 +6,8 @@ equal. As CORL:
 
 * per step ``t`` three tokens, in the order return-to-go ``R_t``, state ``s_t``, action
   ``a_t``, each a linear embedding plus a learned embedding of the absolute timestep ``t``
-  (with ``fold_return``, not CORL's: two, the state token's embedding adding ``R_t``'s, so
-  the state token's residual carries the return it is conditioned on);
+  (with ``fold_return``, not CORL's: two, the state token plus the return token, so the
+  state token's residual carries the return it is conditioned on);
 * LayerNorm and dropout on the token sequence, the pre-norm stack (MLP width 4d, GELU,
   dropout 0.1, a final LayerNorm), then ``a_t = max_action * tanh(W h)`` read at the state
   token of step ``t``;
@@ -83,12 +83,17 @@ class DecisionModel(nnx.Module):
         return self._token(self.return_emb(returns[..., None]) + self._time(timesteps))
 
     def embed_state(self, states: Array, returns: Array, timesteps: Array) -> Array:
-        """State tokens: states [..., S] (normalised), returns [...] (scaled; embedded here
-        only with ``fold_return``) -> [..., d]."""
-        emb = self.state_emb(states) + self._time(timesteps)
+        """State tokens: states [..., S] (normalised), returns [...] (scaled; read only with
+        ``fold_return``) -> [..., d].
+
+        Folded, the token is the sum of the state and return tokens, each normalised on its
+        own: a return beyond the data's range then moves the token by a bounded amount
+        instead of swamping the state in one LayerNorm (measured: both models collapse).
+        """
+        token = self._token(self.state_emb(states) + self._time(timesteps))
         if self.config.fold_return:
-            emb = emb + self.return_emb(returns[..., None])
-        return self._token(emb)
+            token = token + self.embed_return(returns, timesteps)
+        return token
 
     def embed_action(self, actions: Array, timesteps: Array) -> Array:
         """Action tokens: actions [..., A] -> [..., d]."""

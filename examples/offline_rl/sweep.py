@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fold-return",
         action="store_true",
-        help="return-to-go embedded into the state token (main.py's option); own --results",
+        help="return-to-go token added to the state token (main.py's option); own --results",
     )
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
