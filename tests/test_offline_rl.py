@@ -351,4 +351,4 @@ def test_conditioning_summary_averages_seeds_and_counts_a_rerun_once():
     # seed 0's rerun (10.0) replaces its first record; the folded study is a table of its own
     assert rows == ["| corl | 15.0 ± 5.0 | - | 0.100 ± 0.000 | 0.25 ± 0.05 |",
                     "| corl | 5.0 | - | 0.100 | - |"]  # fmt: skip
-    assert "return folded into the state token, seeds [0]" in text
+    assert "return folded into the state token, 10 episodes, seeds [0]" in text

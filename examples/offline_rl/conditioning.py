@@ -23,9 +23,10 @@ episode return, and CORL's target):
 One record per (model, target) goes to ``--out`` (default
 ``results/offline_rl_conditioning.json``): ``{"env", "dataset", "model", "seed",
 "train_steps", "context_steps", "num_heads", "target", "target_return", "fraction_of_best",
-"score", "score_std", "episode_len", "stream_score", "stream_episode_len", "open_loop_mse",
-"attention_share": [{"layer", "return", "state", "action"}, ...], "command"}`` (folded
-returns, ``--fold-return``: no ``"return"`` share, and ``"fold_return": true``).
+"eval_episodes", "score", "score_std", "episode_len", "stream_score", "stream_episode_len",
+"open_loop_mse", "attention_share": [{"layer", "return", "state", "action"}, ...],
+"command"}`` (folded returns, ``--fold-return``: no ``"return"`` share, and
+``"fold_return": true``).
 
 Shape notation: ``B`` windows, ``K`` steps, ``T = nK`` tokens (``n`` per step:
 ``ModelConfig.token_kinds``), ``H`` heads, ``D`` head size.
@@ -120,23 +121,24 @@ def _mean_std(values: list, fmt: str) -> str:
 
 def summary(records: list[dict]) -> str:
     """Markdown tables of the records, one per study (environment, dataset, updates, context,
-    heads, layout, model): per target, mean ± standard deviation over the seeds of the window
-    and stream scores, the open-loop MSE and layer 0's share of attention on returns-to-go. A
-    record repeated (a rerun) counts once, its last copy."""
+    heads, layout, evaluation episodes (10 in records without the key), model): per target,
+    mean ± standard deviation over the seeds of the window and stream scores, the open-loop
+    MSE and layer 0's share of attention on returns-to-go. A record repeated (a rerun) counts
+    once, its last copy."""
     runs: dict[tuple, dict] = {}
     for r in records:
         study = (r["env"], r["dataset"], r["train_steps"], r["context_steps"], r["num_heads"],
-                 r.get("fold_return", False), r["model"])  # fmt: skip
+                 r.get("fold_return", False), r.get("eval_episodes", 10), r["model"])  # fmt: skip
         runs[(study, r["seed"], r["target"])] = r
     lines = []
     for study in dict.fromkeys(key[0] for key in runs):
-        env, dataset, steps, k, heads, fold, model_name = study
+        env, dataset, steps, k, heads, fold, episodes, model_name = study
         rows = [(seed, target, r) for (s, seed, target), r in runs.items() if s == study]
         seeds = sorted({seed for seed, _, _ in rows})
         lines += [
             f"\n{model_name}, {env} {dataset}, {steps} updates, K = {k}, {heads} head(s)"
             + (", return folded into the state token" if fold else "")
-            + f", seeds {seeds}",
+            + f", {episodes} episodes, seeds {seeds}",
             "",
             "| target | score (window) | score (stream) | open-loop MSE | layer 0 on returns |",
             "|---|---|---|---|---|",
@@ -199,6 +201,7 @@ def main(argv=None) -> list[dict]:
                 "target": target_name,
                 "target_return": float(target),
                 "fraction_of_best": float(target / best),
+                "eval_episodes": own.episodes,
                 "score": window["score"],
                 "score_std": window["score_std"],
                 "episode_len": window["episode_len"],
