@@ -87,8 +87,9 @@ class DecisionModel(nnx.Module):
         ``fold_return``) -> [..., d].
 
         Folded, the token is the sum of the state and return tokens, each normalised on its
-        own: a return beyond the data's range then moves the token by a bounded amount
-        instead of swamping the state in one LayerNorm (measured: both models collapse).
+        own: a return beyond the data's range then moves the token by a bounded amount. (A
+        first design normalised the two together; there an out-of-range return swamped the
+        state, and both models collapsed beyond the data.)
         """
         token = self._token(self.state_emb(states) + self._time(timesteps))
         if self.config.fold_return:
