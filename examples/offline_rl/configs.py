@@ -52,7 +52,7 @@ class ModelConfig:
     embedding_dim: int = 128  # token width d
     num_layers: int = 3  # blocks
     num_heads: int = 1  # attention heads
-    seq_len: int = 20  # context K in environment steps (3K tokens: return, state, action)
+    seq_len: int = 20  # context K in environment steps (3K tokens; 2K folded: token_kinds)
     # False (CORL): the return-to-go is a token of its own; True: the return token is added
     # to the state token (2K tokens: state + return, action), so the state token's residual
     # carries it rather than attention alone
