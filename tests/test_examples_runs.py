@@ -171,6 +171,16 @@ def test_run_dir_ignores_display_settings_and_refuses_unknown_runs(tmp_path):
     assert not (tmp_path / "legacy" / "checkpoints").exists()
 
 
+def test_evaluation_settings_are_not_part_of_the_run(tmp_path):
+    cfg = {"loop": {"batch_size": 8}, "eval": {"episodes": 10, "seed": 1000}}
+    RunDir(tmp_path / "a", cfg)
+    other = {**cfg, "eval": {"episodes": 100, "seed": 7, "stream": False}}
+    RunDir(tmp_path / "a", other)  # the same trained model, evaluated otherwise
+    assert config_hash(cfg) == config_hash(other)
+    # only the section: a key that merely starts with "eval" still counts
+    assert config_hash({**cfg, "evaluator": 1}) != config_hash({**cfg, "evaluator": 2})
+
+
 def test_an_added_option_at_its_default_keeps_earlier_runs(tmp_path):
     @dataclasses.dataclass
     class Before:

@@ -14,6 +14,8 @@ pytest.importorskip("mujoco")
 
 from flax import nnx  # noqa: E402
 
+from examples.common import default_run_dir  # noqa: E402
+
 from examples.offline_rl import (  # noqa: E402
     conditioning,
     configs,
@@ -137,6 +139,32 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
         assert r["score_own"] == pytest.approx(100 * (r["return"] - ref[0]) / (ref[1] - ref[0]))
     # a finished run folder returns its records without training again
     assert train.train_and_evaluate(cfg, str(tmp_path / backbone)) == records
+
+
+def test_a_kept_run_is_evaluated_again_without_training(generated, tmp_path, monkeypatch, caplog):
+    root, _, _ = generated
+    cfg = configs.tiny_config("hopper", "medium", "transformer")
+    cfg.data.data_root = str(root)
+    cfg.eval.data_target = False
+    first = train.train_and_evaluate(cfg, str(tmp_path / "kept"), keep_checkpoints=True)
+    train.train_and_evaluate(cfg, str(tmp_path / "dropped"))
+    more = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, eval_episodes=2))
+    assert default_run_dir("offline_rl", "run", more) == default_run_dir("offline_rl", "run", cfg)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a kept run was trained again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "loss_fn", no_training)
+        again = train.train_and_evaluate(more, str(tmp_path / "kept"))
+    assert [r["eval_episodes"] for r in first + again] == [1, 2]
+    assert again[0]["fit_mse"] == first[0]["fit_mse"] and again[0]["train_steps"] == 2
+    assert (tmp_path / "kept" / "checkpoints").exists()  # kept for the next evaluation too
+    assert train.train_and_evaluate(more, str(tmp_path / "kept")) == again  # stored now
+    # without kept checkpoints the run trains again, and says so
+    with caplog.at_level("WARNING"):
+        retrained = train.train_and_evaluate(more, str(tmp_path / "dropped"))
+    assert "trained again" in caplog.text and retrained[0]["eval_episodes"] == 2
 
 
 @pytest.mark.parametrize("fold_return", [False, True])

@@ -6,9 +6,10 @@ A run folder holds ``config.json`` (the configuration it was made with), Orbax c
 configuration is refused (``ConfigMismatchError``) unless ``overwrite`` discards the old run;
 opening it with the same configuration resumes it, or returns its stored result if finished.
 
-Settings that do not change what is computed (``IGNORED``: progress display, logging and
-checkpoint cadence, the ``max_steps`` stopping point used to train a run in slices) are left
-out of the comparison and of the folder's hash.
+Settings that do not change what is trained (``IGNORED``: progress display, logging and
+checkpoint cadence, the ``max_steps`` stopping point used to train a run in slices, and the
+``eval`` section of a task whose finished run can be evaluated again: offline RL's online
+evaluation) are left out of the comparison and of the folder's hash.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 
 from examples.common.paths import runs_root
 
-# Dotted config keys that may differ between a run and its resumption.
+# Dotted config keys that may differ between a run and its resumption; a key ending in "."
+# stands for every key under it.
 IGNORED = (
     "loop.progress",
     "loop.log_every",
@@ -35,6 +37,7 @@ IGNORED = (
     "loop.eval_batch_size",
     "loop.data_parallel",
     "data.data_root",
+    "eval.",  # how a trained model is evaluated: its task re-evaluates a kept run instead
 )
 RUN_FILES = (
     "config.json",
@@ -84,9 +87,13 @@ def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _ignored(key: str, ignore: Sequence[str]) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in ignore)
+
+
 def config_hash(config: Any, ignore: Sequence[str] = IGNORED) -> str:
     """A short hex digest of the configuration, without the ``ignore`` keys."""
-    flat = {k: v for k, v in _flatten(config_dict(config)).items() if k not in ignore}
+    flat = {k: v for k, v in _flatten(config_dict(config)).items() if not _ignored(k, ignore)}
     return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -99,7 +106,7 @@ def config_diff(saved: Any, current: Any, ignore: Sequence[str] = IGNORED) -> li
             repr(missing), "absent"
         )
         for k in sorted(set(a) | set(b))
-        if k not in ignore and a.get(k, missing) != b.get(k, missing)
+        if not _ignored(k, ignore) and a.get(k, missing) != b.get(k, missing)
     ]
 
 

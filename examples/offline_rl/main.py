@@ -28,6 +28,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-root", default=None, help="Minari datasets (default: workdirs/...)")
     p.add_argument("--workdir", default=None, help="run folder (default: keyed by the config)")
     p.add_argument("--overwrite", action="store_true", help="discard the run folder's run")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep a finished run's checkpoints: evaluated again with other --eval-episodes "
+        "(or another evaluation setting) without training",
+    )
     p.add_argument("--steps", type=int, default=None, help="training updates (a multiple of 500)")
     p.add_argument("--max-steps", type=int, default=None, help="stop (resumable) after these")
     p.add_argument("--context", type=int, default=None, help="context K in steps (CORL: 20)")
@@ -84,7 +90,9 @@ def main(argv=None) -> None:
     cfg = config_from_args(args)
     name = f"{args.env}-{args.dataset}-{args.model}-{args.seed}"
     workdir = args.workdir or default_run_dir("offline_rl", name, cfg)
-    train.train_and_evaluate(cfg, str(workdir), overwrite=args.overwrite)
+    train.train_and_evaluate(
+        cfg, str(workdir), overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints
+    )
 
 
 if __name__ == "__main__":

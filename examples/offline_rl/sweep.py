@@ -59,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="return-to-go token added to the state token (main.py's option); own --results",
     )
     p.add_argument("--eval-episodes", type=int, default=None)
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep a finished run's checkpoints: evaluated again with other --eval-episodes "
+        "(or another evaluation setting) without training",
+    )
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -136,7 +142,12 @@ def main(argv=None) -> None:
             if (env, ds) not in cache:
                 cache.clear()
                 cache[(env, ds)] = train.load_data(cfg)
-            records = train.train_and_evaluate(cfg, str(workdir), traj=cache[(env, ds)])
+            records = train.train_and_evaluate(
+                cfg,
+                str(workdir),
+                traj=cache[(env, ds)],
+                keep_checkpoints=args.keep_checkpoints,
+            )
             for record in records:
                 append_record(results, record)
         new += 1

@@ -155,16 +155,22 @@ def train_and_evaluate(
     traj: Trajectories | None = None,
     *,
     overwrite: bool = False,
+    keep_checkpoints: bool = False,
 ) -> list[dict]:
     """Trains for a fixed number of updates, then evaluates the last parameters online.
 
     Args:
       config: the run's configuration.
       workdir: the run folder (``examples.common.runs.RunDir``): its ``config.json`` must
-        match ``config``; an unfinished run resumes from its checkpoints, a finished one
-        returns its stored records. None keeps nothing on disk.
+        match ``config`` but for the evaluation settings (``config.eval``); an unfinished run
+        resumes from its checkpoints, a finished one returns its stored records if they were
+        evaluated with ``config.eval``, else it is evaluated again from its kept checkpoints
+        (or, without them, trained again). None keeps nothing on disk.
       traj: the preloaded dataset (must match ``config.data``).
       overwrite: discard the run ``workdir`` holds and start fresh.
+      keep_checkpoints: keep the finished run's checkpoints, so that it can be evaluated
+        again under other evaluation settings without training (a run that kept them keeps
+        them when evaluated again).
 
     Returns:
       One record per evaluation mode and target: ``{"env", "dataset", "model", "seed", "eval",
@@ -176,8 +182,18 @@ def train_and_evaluate(
     t0 = time.perf_counter()
     run = RunDir(workdir, config, overwrite=overwrite) if workdir is not None else None
     if run is not None and (stored := run.finished_result()) is not None:
-        logging.info("%s: finished already; its stored records are returned", run.path)
-        return stored["records"]
+        if stored["config"].get("eval") == run.config["eval"]:
+            logging.info("%s: finished already; its stored records are returned", run.path)
+            return stored["records"]
+        if run.checkpoint_dir.exists():
+            logging.info("%s: finished; evaluated again from its checkpoints", run.path)
+            keep_checkpoints = True  # kept once, kept for the next evaluation too
+        else:
+            logging.warning(
+                "%s: finished under other evaluation settings without kept checkpoints "
+                "(--keep-checkpoints): it is trained again",
+                run.path,
+            )
     if traj is None:
         traj = load_data(config)
     logging.info(
@@ -223,6 +239,7 @@ def train_and_evaluate(
             records[0],
             result.history,
             finished=result.done,
+            keep_checkpoints=keep_checkpoints,
             plot_keys=("train_loss", "val_mse"),
             extra={"records": records, "config": dataclasses.asdict(config)},
         )
