@@ -15,7 +15,6 @@ pytest.importorskip("mujoco")
 from flax import nnx  # noqa: E402
 
 from examples.common import default_run_dir  # noqa: E402
-
 from examples.offline_rl import (  # noqa: E402
     conditioning,
     configs,
