@@ -248,6 +248,31 @@ def test_report_keeps_only_the_seeds_asked_for(tmp_path, capsys):
     assert "40.0 ± 35.6 (3 seeds)" in row
 
 
+def test_report_counts_the_cells_that_meet_the_target(tmp_path, capsys):
+    def record(env, model, mode, seed, score):
+        return {"env": env, "dataset": "medium", "model": model, "seed": seed, "eval": mode,
+                "target": "corl", "score": score, "score_std": 0.0, "score_own": score,
+                "ms_per_env_step": 1.0}  # fmt: skip
+
+    # hopper: the Transformer 20 ± 2 (18, 22); Aaren's window 18.5 (met, ahead on seed 1),
+    # its stream 17.5 (not met). walker2d: one Aaren seed only, not judged.
+    records = [record("hopper", "transformer", "window", s, v) for s, v in ((0, 18), (1, 22))]
+    records += [record("hopper", "aaren", "window", s, v) for s, v in ((0, 14), (1, 23))]
+    records += [record("hopper", "aaren", "stream", s, v) for s, v in ((0, 17), (1, 18))]
+    records += [record("walker2d", "transformer", "window", s, 10.0) for s in (0, 1)]
+    records += [record("walker2d", "aaren", m, 0, 30.0) for m in ("window", "stream")]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(records))
+    report.main([str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert next(r for r in out if r.startswith("| hopper")).endswith(
+        "| met (ahead 1/2) / not met (ahead 0/2) |"
+    )
+    assert next(r for r in out if r.startswith("| walker2d")).endswith("| - / - |")
+    assert "Decision Aaren (window) meets the target in 1 of 1 cells" in "\n".join(out)
+    assert "Decision Aaren (stream) meets the target in 0 of 1 cells" in "\n".join(out)
+
+
 def test_drift_by_timestep_counts_only_steps_inside_the_episodes():
     rng = np.random.default_rng(0)
     window = rng.normal(size=(60, 2, 3)).astype(np.float32)  # [T, B, A]

@@ -5,7 +5,10 @@ One row per (environment, dataset): the D4RL-normalised score of the Decision Tr
 of Decision Aaren (windowed, as trained; and streamed over the whole episode), mean ± standard
 deviation over seeds (with one seed: over its evaluation episodes), our own normalised score
 (random = 0, our expert SAC policy = 100), and the milliseconds per environment step of each
-evaluation. ``--target data_best``: the same for the evaluations conditioned on the
+evaluation; and the issue's target per cell, for Aaren's window and stream: its mean score
+within one standard deviation of the Transformer's (over seeds) or above, with the number of
+seeds on which it is ahead (both models need 2 seeds or more), and the count of cells that
+meet it under the table. ``--target data_best``: the same for the evaluations conditioned on the
 dataset's best episode return instead of CORL's target. ``--manifest``: the generated data
 instead (the generator's ``manifest.json``): per environment the behaviour policies' returns
 and the datasets' sizes and mean returns, D4RL-normalised and own-normalised.
@@ -45,15 +48,36 @@ def _mean(values) -> str:
     return f"{np.mean(v):.1f}" if v else "-"
 
 
+def verdict(transformer: list[dict], aaren: list[dict]) -> bool | None:
+    """Whether Aaren's records meet the issue's target against the Transformer's: mean score
+    at least the Transformer's mean minus its standard deviation over seeds (population);
+    None with fewer than 2 seeds on either side."""
+    if len(transformer) < 2 or len(aaren) < 2:
+        return None
+    t = np.asarray([r["score"] for r in transformer])
+    return bool(np.mean([r["score"] for r in aaren]) >= t.mean() - t.std())
+
+
+def _verdict_cell(transformer: list[dict], aaren: list[dict]) -> str:
+    met = verdict(transformer, aaren)
+    if met is None:
+        return "-"
+    by_seed = {r["seed"]: r["score"] for r in transformer}
+    paired = [r for r in aaren if r["seed"] in by_seed]
+    ahead = sum(r["score"] > by_seed[r["seed"]] for r in paired)
+    return f"{'met' if met else 'not met'} (ahead {ahead}/{len(paired)})"
+
+
 def table(records: list[dict], target: str = "corl") -> str:
     """A Markdown table of the records conditioned on ``target`` (``"corl"``: CORL's target
     return; ``"data_best"``: the dataset's best episode return; see the module docstring)."""
     records = [r for r in records if r.get("target", "corl") == target]
     lines = [
         f"| env | dataset | {HEADER} | own-normalised DT / DA / DA stream | ms per env step "
-        "DT / DA / DA stream |",
-        "|---|---|---|---|---|---|---|",
+        "DT / DA / DA stream | target: DA / DA stream |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    met = {c: [] for c in COLUMNS[1:]}
     for env in ENV_IDS:
         for ds in DATASETS:
             rows = [r for r in records if r["env"] == env and r["dataset"] == ds]
@@ -71,7 +95,20 @@ def table(records: list[dict], target: str = "corl") -> str:
                 f"{np.mean([r['ms_per_env_step'] for r in by[c]]):.1f}" if by[c] else "-"
                 for c in COLUMNS
             )
-            lines.append(f"| {env} | {ds} | " + " | ".join(scores) + f" | {own} | {ms} |")
+            dt = by[COLUMNS[0]]
+            verdicts = " / ".join(_verdict_cell(dt, by[c]) for c in COLUMNS[1:])
+            for c in COLUMNS[1:]:
+                met[c].append(verdict(dt, by[c]))
+            lines.append(
+                f"| {env} | {ds} | " + " | ".join(scores) + f" | {own} | {ms} | {verdicts} |"
+            )
+    lines.append("")
+    for (_, mode), cells in met.items():
+        judged = [m for m in cells if m is not None]
+        lines.append(
+            f"Decision Aaren ({mode}) meets the target in {sum(judged)} of {len(judged)} cells "
+            f"with 2 or more seeds per model ({len(cells)} cells recorded)."
+        )
     return "\n".join(lines)
 
 
