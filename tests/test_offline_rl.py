@@ -14,6 +14,7 @@ pytest.importorskip("mujoco")
 
 from flax import nnx  # noqa: E402
 
+from aaren_jax.native import cpu_model  # noqa: E402
 from examples.common import default_run_dir  # noqa: E402
 from examples.offline_rl import (  # noqa: E402
     conditioning,
@@ -134,6 +135,7 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
         assert r["model"] == backbone and r["env"] == "hopper" and r["dataset"] == "medium"
         assert r["train_steps"] == 2 and r["finished"]
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
+        assert r["cpu_model"] == cpu_model() and r["jax"] == jax.__version__
         ref = (entry["random_policy_return"], entry["expert_policy_return"])
         assert r["score_own"] == pytest.approx(100 * (r["return"] - ref[0]) / (ref[1] - ref[0]))
     # a finished run folder returns its records without training again

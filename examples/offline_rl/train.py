@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from aaren_jax.native import cpu_model
 from examples.common import fit
 from examples.common.runs import RunDir
 from examples.offline_rl import evaluate as ev
@@ -176,8 +178,9 @@ def train_and_evaluate(
       One record per evaluation mode and target: ``{"env", "dataset", "model", "seed", "eval",
       "target" (``"corl"`` or ``"data_best"``, ``targets``), "score",
       "score_std", "score_own", "return", "return_std", "eval_episodes", "target_return",
-      "ms_per_env_step", "train_steps", "train_wall_s", "wall_s", ...}``; ``score`` is D4RL's
-      normalised score, ``score_own`` the one with our own random and expert policies.
+      "ms_per_env_step", "train_steps", "train_wall_s", "wall_s", "cpu_model", "jax",
+      ...}``; ``score`` is D4RL's normalised score, ``score_own`` the one with our own random
+      and expert policies.
     """
     t0 = time.perf_counter()
     run = RunDir(workdir, config, overwrite=overwrite) if workdir is not None else None
@@ -205,6 +208,7 @@ def train_and_evaluate(
     model = result.model
     nnx.update(model, result.params)  # CORL evaluates the last parameters, not a "best" one
     records = []
+    load = round(os.getloadavg()[0], 2)  # other jobs on the machine move the timings
     for mode in modes(config):
         ms = None  # timed once per mode: the target does not change the step's cost
         for target_name, target in targets(config, traj):
@@ -231,6 +235,11 @@ def train_and_evaluate(
                     "params": int(n_params),
                     "train_wall_s": train_wall,
                     "wall_s": train_wall + time.perf_counter() - t0 - result.wall_s,
+                    # the timings' machine; floating-point results also differ across CPUs
+                    "cpu_model": cpu_model(),
+                    "cpu_count": os.cpu_count(),
+                    "jax": jax.__version__,
+                    "load_average_at_eval": load,
                 }
             )
             logging.info("result %s", records[-1])
