@@ -329,18 +329,26 @@ def test_run_length_and_context():
         configs.set_run_length(configs.get_config(), context=0)
 
 
-def test_sweep_refuses_a_results_file_of_another_context(tmp_path):
+def test_sweep_refuses_a_results_file_of_another_layout_or_episode_count(tmp_path):
     from examples.offline_rl import sweep
 
     results = tmp_path / "runs.json"
-    results.write_text(json.dumps([{"env": "hopper", "dataset": "medium", "model": "aaren",
-                                    "seed": 0}]))  # fmt: skip
+    record = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0,
+              "train_steps": 2000, "eval_episodes": 10}  # fmt: skip
+    results.write_text(json.dumps([record]))
     # a record without context_steps was trained at CORL's 20: fine for 20, not for 60
-    sweep.main(["--results", str(results), "--dry-run", "--envs", "hopper", "--seeds", "0"])
-    with pytest.raises(SystemExit, match="context"):
-        sweep.main(["--results", str(results), "--dry-run", "--context", "60"])
-    with pytest.raises(SystemExit, match="fold_return"):
-        sweep.main(["--results", str(results), "--dry-run", "--fold-return"])
+    args = ["--results", str(results), "--dry-run", "--steps", "2000"]
+    sweep.main([*args, "--envs", "hopper", "--seeds", "0"])
+    sweep.main([*args, "--eval-episodes", "10", "--context", "20"])  # the defaults, given
+    for option, name in [
+        (["--context", "60"], "context"),
+        (["--fold-return"], "fold_return"),
+        (["--eval-episodes", "100"], "eval_episodes"),
+    ]:
+        with pytest.raises(SystemExit, match=name):
+            sweep.main([*args, *option])
+    with pytest.raises(SystemExit, match="train_steps"):
+        sweep.main(["--results", str(results), "--dry-run", "--steps", "5000"])
 
 
 @pytest.mark.parametrize("backbone", ["transformer", "aaren"])

@@ -99,17 +99,29 @@ def main(argv=None) -> None:
     ensure_importable()
     args = parse_args(argv)
     results = results_path(args.results, "offline_rl")
-    # one results file, one token layout: records from before the options were all trained
-    # at CORL's context of 20 with the return-to-go as a token of its own
-    layout = (args.context or configs.ModelConfig.seq_len, args.fold_return)
-    layouts = {
-        (r.get("context_steps", configs.ModelConfig.seq_len), r.get("fold_return", False))
+    # one results file, one kind of run, so that its table compares like with like; records
+    # from before the layout options were all trained at CORL's context of 20 with the
+    # return-to-go as a token of its own
+    cfg = run_config(args, args.envs[0], args.datasets[0], args.models[0], args.seeds[0])
+    kind = (
+        cfg.model.seq_len,
+        cfg.model.fold_return,
+        cfg.loop.max_epochs * cfg.loop.steps_per_epoch,
+        cfg.eval.eval_episodes,
+    )
+    kinds = {
+        (
+            r.get("context_steps", configs.ModelConfig.seq_len),
+            r.get("fold_return", False),
+            r["train_steps"],
+            r["eval_episodes"],
+        )
         for r in load_records(results)
     }
-    if layouts - {layout}:
+    if kinds - {kind}:
         raise SystemExit(
-            f"error: {results} holds runs with (context, fold_return) {sorted(layouts)}; give "
-            f"--results another file for {layout}"
+            f"error: {results} holds runs with (context, fold_return, train_steps, "
+            f"eval_episodes) {sorted(kinds)}; give --results another file for {kind}"
         )
     done = {record_key(r, KEY) for r in load_records(results)}
     runs = pending_runs(args, done)
