@@ -329,7 +329,7 @@ def test_run_length_and_context():
         configs.set_run_length(configs.get_config(), context=0)
 
 
-def test_sweep_refuses_a_results_file_of_another_layout_or_episode_count(tmp_path):
+def test_sweep_refuses_a_results_file_of_another_kind_of_run(tmp_path):
     from examples.offline_rl import sweep
 
     results = tmp_path / "runs.json"
