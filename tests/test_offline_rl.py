@@ -208,11 +208,8 @@ def test_resume_gives_the_same_parameters(generated, tmp_path):
     assert first.step == 1 and not first.done
     resumed = train.fit_model(cfg, traj, str(tmp_path))
     assert resumed.step == 4 and resumed.done
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-        straight.params,
-        resumed.params,
-    )
+    # bitwise: on one machine a run cut anywhere and resumed is the run made straight
+    jax.tree.map(np.testing.assert_array_equal, straight.params, resumed.params)
 
 
 def test_sac_resume_gives_the_same_agent(tmp_path):
