@@ -272,6 +272,18 @@ def test_report_counts_the_cells_that_meet_the_target(tmp_path, capsys):
     assert "Decision Aaren (stream) meets the target in 0 of 1 cells" in "\n".join(out)
 
 
+def test_report_names_the_cpus_of_its_records():
+    base = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0, "eval": "window",
+            "target": "corl", "score": 1.0, "score_std": 0.0, "score_own": 1.0,
+            "ms_per_env_step": 1.0}  # fmt: skip
+    records = [{**base, "cpu_model": "AMD EPYC"}, {**base, "seed": 1, "cpu_model": "AMD EPYC"},
+               {**base, "seed": 2, "cpu_model": "Intel Xeon"}, {**base, "seed": 3}]  # fmt: skip
+    assert report.table(records).splitlines()[-1] == (
+        "Records by CPU (ms per env step compares only within one): AMD EPYC (2), "
+        "Intel Xeon (1), not recorded (1)."
+    )
+
+
 def test_drift_by_timestep_counts_only_steps_inside_the_episodes():
     rng = np.random.default_rng(0)
     window = rng.normal(size=(60, 2, 3)).astype(np.float32)  # [T, B, A]

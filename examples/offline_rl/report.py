@@ -8,10 +8,11 @@ deviation over seeds (with one seed: over its evaluation episodes), our own norm
 evaluation; and the issue's target per cell, for Aaren's window and stream: its mean score
 within one standard deviation of the Transformer's (over seeds) or above, with the number of
 seeds on which it is ahead (both models need 2 seeds or more), and the count of cells that
-meet it under the table. ``--target data_best``: the same for the evaluations conditioned on the
-dataset's best episode return instead of CORL's target. ``--manifest``: the generated data
-instead (the generator's ``manifest.json``): per environment the behaviour policies' returns
-and the datasets' sizes and mean returns, D4RL-normalised and own-normalised.
+meet it under the table, then the CPUs the records were made on. ``--target data_best``: the
+same for the evaluations conditioned on the dataset's best episode return instead of CORL's
+target. ``--manifest``: the generated data instead (the generator's ``manifest.json``): per
+environment the behaviour policies' returns and the datasets' sizes and mean returns,
+D4RL-normalised and own-normalised.
 """
 
 from __future__ import annotations
@@ -109,7 +110,19 @@ def table(records: list[dict], target: str = "corl") -> str:
             f"Decision Aaren ({mode}) meets the target in {sum(judged)} of {len(judged)} cells "
             f"with 2 or more seeds per model ({len(cells)} cells recorded)."
         )
+    lines.append(machines(records))
     return "\n".join(lines)
+
+
+def machines(records: list[dict]) -> str:
+    """Which CPUs the records were evaluated on, with counts: per-step times compare only
+    within one machine."""
+    counts: dict[str, int] = {}
+    for r in records:
+        name = r.get("cpu_model", "not recorded")
+        counts[name] = counts.get(name, 0) + 1
+    listed = ", ".join(f"{name} ({n})" for name, n in sorted(counts.items()))
+    return f"Records by CPU (ms per env step compares only within one): {listed}."
 
 
 def _data_row(name, transitions, episodes, ret: float, ref, own) -> str:
