@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -117,10 +118,7 @@ def table(records: list[dict], target: str = "corl") -> str:
 def machines(records: list[dict]) -> str:
     """Which CPUs the records were evaluated on, with counts: per-step times compare only
     within one machine."""
-    counts: dict[str, int] = {}
-    for r in records:
-        name = r.get("cpu_model", "not recorded")
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(r.get("cpu_model", "not recorded") for r in records)
     listed = ", ".join(f"{name} ({n})" for name, n in sorted(counts.items()))
     return f"Records by CPU (ms per env step compares only within one): {listed}."
 
