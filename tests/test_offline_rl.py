@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from examples.offline_rl import (  # noqa: E402
     drift,
     generate,
     model,
+    pack,
     report,
     sac,
     train,
@@ -76,6 +78,68 @@ def test_writer_reader_round_trip(generated):
     np.testing.assert_allclose(b["returns"][0], tr.returns[0][:4] * 1e-3, rtol=1e-5)
     np.testing.assert_array_equal(b["mask"][1], [1, 0, 0, 0])
     np.testing.assert_array_equal(b["timesteps"][1][1:] - b["timesteps"][1][:-1], [1, 1, 1])
+
+
+def test_pack_restores_datasets_that_read_back_equal(generated, tmp_path):
+    root, _, entry = generated
+    ids = [data.dataset_id("hopper", name) for name in configs.DATASETS]
+    header = pack.export(ids, root, tmp_path / "hopper.npz")
+    # medium-expert is combined again from its parts, which travel instead
+    assert header["combined"] == {
+        ids[2]: {"of": [ids[0], data.dataset_id("hopper", "expert")], "digest": mock.ANY}
+    }
+    assert sorted(header["datasets"]) == sorted(
+        [ids[0], ids[1], data.dataset_id("hopper", "expert")]
+    )
+    other = tmp_path / "elsewhere"
+    assert sorted(pack.restore(tmp_path / "hopper.npz", other)) == sorted(
+        [*header["datasets"], *header["combined"]]
+    )
+    for spec in ids:
+        a, b = data.load_trajectories(spec, root), data.load_trajectories(spec, other)
+        assert pack.trajectory_digest(a) == pack.trajectory_digest(b)
+        for x, y in zip(a.observations + a.returns, b.observations + b.returns, strict=True):
+            np.testing.assert_array_equal(x, y)
+        assert a.ref_scores == b.ref_scores
+    restored = json.loads((other / "manifest.json").read_text())["hopper"]
+    assert restored["datasets"] == entry["datasets"]  # own-normalised scores need it
+    # a pack whose digest does not match what is read back is refused
+    with np.load(tmp_path / "hopper.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    bad = json.loads(str(arrays["header"]))
+    bad["datasets"][ids[0]]["digest"] = "0" * 64
+    np.savez_compressed(tmp_path / "bad.npz", **{**arrays, "header": np.array(json.dumps(bad))})
+    with pytest.raises(ValueError, match="digest"):
+        pack.restore(tmp_path / "bad.npz", tmp_path / "third")
+    # a digest sees a change in the last bit of one observation
+    tr = data.load_trajectories(ids[0], root)
+    before = pack.trajectory_digest(tr)
+    tr.observations[0][0, 0] = np.nextafter(tr.observations[0][0, 0], np.float32(np.inf))
+    assert pack.trajectory_digest(tr) != before
+
+
+def test_sweep_workers_share_the_sweep(tmp_path, monkeypatch):
+    from examples.offline_rl import sweep
+
+    started = []
+
+    class Worker:
+        def __init__(self, cmd, env):
+            started.append((cmd, env))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", Worker)
+    args = ["--results", str(tmp_path / "r.json"), "--envs", "hopper", "--workers", "3"]
+    sweep.main(args)
+    assert len(started) == 3
+    for cmd, env in started:
+        # each worker is the same sweep with one worker; JAX leaves the GPU's memory to share
+        assert cmd[-len(args) - 2 :] == [*args, "--workers", "1"]
+        assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    with pytest.raises(SystemExit, match="workers"):
+        sweep.main([*args[:-1], "0"])
 
 
 def test_data_table_from_the_manifest(generated):
@@ -136,6 +200,7 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
         assert r["train_steps"] == 2 and r["finished"]
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
         assert r["cpu_model"] == cpu_model() and r["jax"] == jax.__version__
+        assert r["device"] == jax.devices()[0].device_kind
         ref = (entry["random_policy_return"], entry["expert_policy_return"])
         assert r["score_own"] == pytest.approx(100 * (r["return"] - ref[0]) / (ref[1] - ref[0]))
     # a finished run folder returns its records without training again
@@ -272,15 +337,17 @@ def test_report_counts_the_cells_that_meet_the_target(tmp_path, capsys):
     assert "Decision Aaren (stream) meets the target in 0 of 1 cells" in "\n".join(out)
 
 
-def test_report_names_the_cpus_of_its_records():
+def test_report_names_the_machines_of_its_records():
     base = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0, "eval": "window",
             "target": "corl", "score": 1.0, "score_std": 0.0, "score_own": 1.0,
             "ms_per_env_step": 1.0}  # fmt: skip
     records = [{**base, "cpu_model": "AMD EPYC"}, {**base, "seed": 1, "cpu_model": "AMD EPYC"},
-               {**base, "seed": 2, "cpu_model": "Intel Xeon"}, {**base, "seed": 3}]  # fmt: skip
+               {**base, "seed": 2, "cpu_model": "Intel Xeon"}, {**base, "seed": 3},
+               {**base, "seed": 4, "cpu_model": "AMD EPYC", "device": "NVIDIA H200"},
+               {**base, "seed": 5, "cpu_model": "Intel Xeon", "device": "cpu"}]  # fmt: skip
     assert report.table(records).splitlines()[-1] == (
-        "Records by CPU (ms per env step compares only within one): AMD EPYC (2), "
-        "Intel Xeon (1), not recorded (1)."
+        "Records by machine (ms per env step compares only within one): AMD EPYC (2), "
+        "AMD EPYC + NVIDIA H200 (1), Intel Xeon (2), not recorded (1)."
     )
 
 

@@ -290,7 +290,7 @@ def collect(policy, env_name: str, dataset_id: str, n: int, seed: int, stream: i
     return steps, float(np.mean(returns))
 
 
-def _update_manifest(root: Path, env_name: str, entry: dict) -> None:
+def update_manifest(root: Path, env_name: str, entry: dict) -> None:
     path = root / "manifest.json"
     root.mkdir(parents=True, exist_ok=True)
     with (root / "manifest.json.lock").open("w") as lock:
@@ -404,7 +404,7 @@ def generate(
         "random_policy_return": random_return,
         "datasets": sizes,
     }
-    _update_manifest(root, env_name, entry)
+    update_manifest(root, env_name, entry)
     logging.info("%s: %s", env_name, json.dumps(entry["datasets"]))
     return entry
 

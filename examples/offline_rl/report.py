@@ -115,12 +115,20 @@ def table(records: list[dict], target: str = "corl") -> str:
     return "\n".join(lines)
 
 
+def machine(record: dict) -> str:
+    """The machine a record was made on: its CPU, and its accelerator if the model ran on
+    one (records from before ``device`` was recorded ran on the CPU)."""
+    name = record.get("cpu_model", "not recorded")
+    device = record.get("device", "cpu")
+    return name if device == "cpu" else f"{name} + {device}"
+
+
 def machines(records: list[dict]) -> str:
-    """Which CPUs the records were evaluated on, with counts: per-step times compare only
+    """Which machines the records were made on, with counts: per-step times compare only
     within one machine."""
-    counts = Counter(r.get("cpu_model", "not recorded") for r in records)
+    counts = Counter(machine(r) for r in records)
     listed = ", ".join(f"{name} ({n})" for name, n in sorted(counts.items()))
-    return f"Records by CPU (ms per env step compares only within one): {listed}."
+    return f"Records by machine (ms per env step compares only within one): {listed}."
 
 
 def _data_row(name, transitions, episodes, ret: float, ref, own) -> str:

@@ -11,13 +11,16 @@ go to ``--results`` (default ``workdirs/offline_rl/results.json``; the committed
 from its checkpoints in its run folder (keyed by its configuration).
 Runs go seed-major and, within an environment and dataset, the Transformer then Aaren, so an
 interrupted sweep leaves complete pairs behind. Environments whose datasets are not generated
-yet are skipped with a message.
+yet are skipped with a message. ``--workers N`` runs N such sweeps side by side (on a machine
+with many cores, or several jobs sharing one GPU); they share the runs through the claims.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -66,6 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(or another evaluation setting) without training",
     )
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="sweep processes side by side, sharing the runs through their claims",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the pending runs and exit")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return p.parse_args(argv)
@@ -94,10 +103,26 @@ def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
     ]
 
 
+def run_workers(argv: list[str], n: int) -> None:
+    """``n`` copies of this sweep (``argv`` with one worker each), waited for. JAX does not
+    take most of a GPU's memory up front in them, so that they can share one device."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--workers", "1"]
+    procs = [subprocess.Popen(cmd, env=env) for _ in range(n)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"error: sweep workers exited with {codes}")
+
+
 def main(argv=None) -> None:
     setup_logging()
     ensure_importable()
     args = parse_args(argv)
+    if args.workers < 1:
+        raise SystemExit(f"error: --workers must be at least 1, got {args.workers}")
+    if args.workers > 1 and not args.dry_run:
+        run_workers(sys.argv[1:] if argv is None else list(argv), args.workers)
+        return
     results = results_path(args.results, "offline_rl")
     # one results file, one kind of run, so that its table compares like with like; records
     # from before the layout options were all trained at CORL's context of 20 with the

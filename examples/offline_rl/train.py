@@ -238,6 +238,7 @@ def train_and_evaluate(
                     # the timings' machine; floating-point results also differ across CPUs
                     "cpu_model": cpu_model(),
                     "cpu_count": os.cpu_count(),
+                    "device": jax.devices()[0].device_kind,  # "cpu", or the accelerator
                     "jax": jax.__version__,
                     "load_average_at_eval": load,
                 }
