@@ -92,7 +92,17 @@ def _text(value) -> str | float | int | None:
 
 
 def _episode_arrays(spec: str, data_root) -> tuple[dict[str, np.ndarray], dict]:
+    """A dataset's episodes concatenated, as the reader casts them: observations
+    [N + E, S] float32 (each episode's final one too), actions [N, A] float32, rewards [N]
+    float64, terminations and truncations [N] bool, lengths [E]; and its metadata.
+    ``N`` transitions, ``E`` episodes, ``S`` observation size, ``A`` action size."""
     ds = open_dataset(spec, data_root)
+    md = ds.storage.metadata
+    if not md.get("env_spec"):
+        raise ValueError(
+            f"{spec}: pack.py needs the dataset's environment (env_spec) to "
+            "write it again, and its metadata has none"
+        )
     obs, act, rew, term, trunc, lengths = [], [], [], [], [], []
     for ep in ds.iterate_episodes():
         obs.append(np.asarray(ep.observations, np.float32))
@@ -101,7 +111,6 @@ def _episode_arrays(spec: str, data_root) -> tuple[dict[str, np.ndarray], dict]:
         term.append(np.asarray(ep.terminations, bool))
         trunc.append(np.asarray(ep.truncations, bool))
         lengths.append(len(ep.actions))
-    md = ds.storage.metadata
     meta = {k: _text(md[k]) for k in _META_KEYS if md.get(k) is not None}
     meta["env_id"] = json.loads(md["env_spec"])["id"]
     if md.get("eval_env_spec"):
