@@ -120,9 +120,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.workers < 1:
         raise SystemExit(f"error: --workers must be at least 1, got {args.workers}")
-    if args.workers > 1 and not args.dry_run:
-        run_workers(sys.argv[1:] if argv is None else list(argv), args.workers)
-        return
     results = results_path(args.results, "offline_rl")
     # one results file, one kind of run, so that its table compares like with like; records
     # from before the layout options were all trained at CORL's context of 20 with the
@@ -148,6 +145,9 @@ def main(argv=None) -> None:
             f"error: {results} holds runs with (context, fold_return, train_steps, "
             f"eval_episodes) {sorted(kinds)}; give --results another file for {kind}"
         )
+    if args.workers > 1 and not args.dry_run:  # checked once here, not in every worker
+        run_workers(sys.argv[1:] if argv is None else list(argv), args.workers)
+        return
     done = {record_key(r, KEY) for r in load_records(results)}
     runs = pending_runs(args, done)
     logging.info("%d runs recorded, %d pending", len(done), len(runs))
