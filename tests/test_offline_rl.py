@@ -337,6 +337,27 @@ def test_report_counts_the_cells_that_meet_the_target(tmp_path, capsys):
     assert "Decision Aaren (stream) meets the target in 0 of 1 cells" in "\n".join(out)
 
 
+def test_report_per_seed_lists_every_seed_and_marks_the_missing_ones(tmp_path, capsys):
+    def record(model, mode, seed, score, target="corl"):
+        return {"env": "hopper", "dataset": "medium", "model": model, "seed": seed,
+                "eval": mode, "target": target, "score": score, "score_std": 0.0,
+                "score_own": score, "ms_per_env_step": 1.0}  # fmt: skip
+
+    # the Transformer 20 ± 2 over seeds 0-1; Aaren's window 14 / 23 and its stream seed 2 only
+    records = [record("transformer", "window", s, v) for s, v in ((0, 18), (1, 22))]
+    records += [record("aaren", "window", s, v) for s, v in ((0, 14), (1, 23))]
+    records += [record("aaren", "stream", 2, 30.0), record("aaren", "window", 0, 5.0, "data_best")]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(records))
+    report.main([str(path), "--per-seed"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper")]
+    assert rows == [
+        "| hopper medium | CORL | 18.0 / 22.0 / -: 20.0 ± 2.0 | 14.0 / 23.0 / -: 18.5 ± 4.5 "
+        "| - / - / 30.0 | met / - |",
+        "| hopper medium | data best | - | 5.0 / - / - | - | - / - |",
+    ]
+
+
 def test_report_names_the_machines_of_its_records():
     base = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0, "eval": "window",
             "target": "corl", "score": 1.0, "score_std": 0.0, "score_own": 1.0,

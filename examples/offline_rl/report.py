@@ -10,9 +10,10 @@ within one standard deviation of the Transformer's (over seeds) or above, with t
 seeds on which it is ahead (both models need 2 seeds or more), and the count of cells that
 meet it under the table, then the CPUs the records were made on. ``--target data_best``: the
 same for the evaluations conditioned on the dataset's best episode return instead of CORL's
-target. ``--manifest``: the generated data instead (the generator's ``manifest.json``): per
-environment the behaviour policies' returns and the datasets' sizes and mean returns,
-D4RL-normalised and own-normalised.
+target. ``--per-seed``: every seed's score instead, both targets, one row per cell and target
+(the README's per-seed tables). ``--manifest``: the generated data instead (the generator's
+``manifest.json``): per environment the behaviour policies' returns and the datasets' sizes
+and mean returns, D4RL-normalised and own-normalised.
 """
 
 from __future__ import annotations
@@ -115,6 +116,52 @@ def table(records: list[dict], target: str = "corl") -> str:
     return "\n".join(lines)
 
 
+def _seeds_cell(rows: list[dict], seeds: list[int]) -> str:
+    """Each seed's score in ``seeds`` order ("-" where a seed is missing), then mean ± std."""
+    by_seed = {r["seed"]: r["score"] for r in rows}
+    if not by_seed:
+        return "-"
+    listed = " / ".join(f"{by_seed[s]:.1f}" if s in by_seed else "-" for s in seeds)
+    v = np.asarray(list(by_seed.values()))
+    return listed if len(v) == 1 else f"{listed}: {v.mean():.1f} ± {v.std():.1f}"
+
+
+def per_seed_table(records: list[dict]) -> str:
+    """A Markdown table of every seed's score, per (environment, dataset) and target: the
+    Transformer, Aaren's window and its stream, with the target's verdict for both."""
+    seeds = sorted({r["seed"] for r in records})
+    lines = [
+        f"Seeds {' / '.join(map(str, seeds))}, then mean ± std over the seeds recorded "
+        "(D4RL-normalised, each the mean over its evaluation episodes).",
+        "",
+        "| cell | target | Decision Transformer | Aaren window | Aaren stream "
+        "| verdict (window / stream) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for env in ENV_IDS:
+        for ds in DATASETS:
+            for target in ("corl", "data_best"):
+                rows = [
+                    r
+                    for r in records
+                    if (r["env"], r["dataset"], r.get("target", "corl")) == (env, ds, target)
+                ]
+                if not rows:
+                    continue
+                by = {
+                    c: [r for r in rows if (r["model"], r.get("eval", "window")) == c]
+                    for c in COLUMNS
+                }
+                verdicts = [verdict(by[COLUMNS[0]], by[c]) for c in COLUMNS[1:]]
+                judged = " / ".join(
+                    "-" if v is None else ("met" if v else "not met") for v in verdicts
+                )
+                cells = " | ".join(_seeds_cell(by[c], seeds) for c in COLUMNS)
+                name = "CORL" if target == "corl" else "data best"
+                lines.append(f"| {env} {ds} | {name} | {cells} | {judged} |")
+    return "\n".join(lines)
+
+
 def machine(record: dict) -> str:
     """The machine a record was made on: its CPU, and its accelerator if the model ran on
     one (records from before ``device`` was recorded ran on the CPU)."""
@@ -180,6 +227,8 @@ def main(argv=None) -> None:
     p.add_argument("results", nargs="?", default="results/offline_rl.json")
     p.add_argument("--target", default="corl", choices=["corl", "data_best"],
                    help="the return conditioned on: CORL's, or the dataset's best")  # fmt: skip
+    p.add_argument("--per-seed", action="store_true",
+                   help="every seed's score, both targets, instead of the summary")  # fmt: skip
     p.add_argument("--manifest", default=None, help="print the generated data's tables instead")
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="only these seeds (default: all recorded)")  # fmt: skip
@@ -190,6 +239,9 @@ def main(argv=None) -> None:
     records = load_records(args.results)
     if args.seeds is not None:
         records = [r for r in records if r["seed"] in args.seeds]
+    if args.per_seed:
+        print(per_seed_table(records))  # the table is the command's output
+        return
     print(table(records, args.target))  # the table is the command's output
 
 
