@@ -341,7 +341,8 @@ def test_report_per_seed_lists_every_seed_and_marks_the_missing_ones(tmp_path, c
     def record(model, mode, seed, score, target="corl"):
         return {"env": "hopper", "dataset": "medium", "model": model, "seed": seed,
                 "eval": mode, "target": target, "score": score, "score_std": 0.0,
-                "score_own": score, "ms_per_env_step": 1.0}  # fmt: skip
+                "score_own": score, "ms_per_env_step": 1.0, "fit_mse": 0.1 * (seed + 1)
+                + (0.0 if model == "transformer" else 0.05 - 0.1 * seed)}  # fmt: skip
 
     # the Transformer 20 ± 2 over seeds 0-1; Aaren's window 14 / 23 and its stream seed 2 only
     records = [record("transformer", "window", s, v) for s, v in ((0, 18), (1, 22))]
@@ -355,6 +356,8 @@ def test_report_per_seed_lists_every_seed_and_marks_the_missing_ones(tmp_path, c
         "| hopper medium | CORL | 18.0 / 22.0 / -: 20.0 ± 2.0 | 14.0 / 23.0 / -: 18.5 ± 4.5 "
         "| - / - / 30.0 | met / - |",
         "| hopper medium | data best | - | 5.0 / - / - | - | - / - |",
+        # the fits: the Transformer's 0.1 / 0.2; Aaren's 0.15 each, paired on seeds 0 and 1
+        "| hopper medium | 0.1000 / 0.2000 / - | 0.1500 / 0.1500 / 0.1500 | 1 of 2 seeds |",
     ]
 
 

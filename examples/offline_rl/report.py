@@ -10,10 +10,11 @@ within one standard deviation of the Transformer's (over seeds) or above, with t
 seeds on which it is ahead (both models need 2 seeds or more), and the count of cells that
 meet it under the table, then the CPUs the records were made on. ``--target data_best``: the
 same for the evaluations conditioned on the dataset's best episode return instead of CORL's
-target. ``--per-seed``: every seed's score instead, both targets, one row per cell and target
-(the README's per-seed tables). ``--manifest``: the generated data instead (the generator's
-``manifest.json``): per environment the behaviour policies' returns and the datasets' sizes
-and mean returns, D4RL-normalised and own-normalised.
+target. ``--per-seed``: every seed's score instead, both targets, one row per cell and target,
+then each run's held-out action fit (the README's per-seed tables). ``--manifest``: the
+generated data instead (the generator's ``manifest.json``): per environment the behaviour
+policies' returns and the datasets' sizes and mean returns, D4RL-normalised and
+own-normalised.
 """
 
 from __future__ import annotations
@@ -159,6 +160,36 @@ def per_seed_table(records: list[dict]) -> str:
                 cells = " | ".join(_seeds_cell(by[c], seeds) for c in COLUMNS)
                 name = "CORL" if target == "corl" else "data best"
                 lines.append(f"| {env} {ds} | {name} | {cells} | {judged} |")
+    return "\n".join(lines + ["", fit_table(records, seeds)])
+
+
+def fit_table(records: list[dict], seeds: list[int]) -> str:
+    """A Markdown table of each run's held-out action fit (``fit_mse``, one per trained
+    model, whatever its evaluations), per seed, for both backbones."""
+    lines = [
+        f"Held-out action fit (fit_mse), seeds {' / '.join(map(str, seeds))}:",
+        "",
+        "| cell | Decision Transformer | Decision Aaren | Aaren lower on |",
+        "|---|---|---|---|",
+    ]
+    for env in ENV_IDS:
+        for ds in DATASETS:
+            fits = {
+                model: {
+                    r["seed"]: r["fit_mse"]
+                    for r in records
+                    if (r["env"], r["dataset"], r["model"]) == (env, ds, model) and "fit_mse" in r
+                }
+                for model in ("transformer", "aaren")
+            }
+            if not any(fits.values()):
+                continue
+            cells = " | ".join(
+                " / ".join(f"{f[s]:.4f}" if s in f else "-" for s in seeds) for f in fits.values()
+            )
+            paired = [s for s in seeds if s in fits["transformer"] and s in fits["aaren"]]
+            lower = sum(fits["aaren"][s] < fits["transformer"][s] for s in paired)
+            lines.append(f"| {env} {ds} | {cells} | {lower} of {len(paired)} seeds |")
     return "\n".join(lines)
 
 
