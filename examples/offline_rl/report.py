@@ -52,6 +52,11 @@ def _mean(values) -> str:
     return f"{np.mean(v):.1f}" if v else "-"
 
 
+def _by_column(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """One cell's records split into the table's columns (model, evaluation)."""
+    return {c: [r for r in rows if (r["model"], r.get("eval", "window")) == c] for c in COLUMNS}
+
+
 def verdict(transformer: list[dict], aaren: list[dict]) -> bool | None:
     """Whether Aaren's records meet the issue's target against the Transformer's: mean score
     at least the Transformer's mean minus its standard deviation over seeds (population);
@@ -87,9 +92,7 @@ def table(records: list[dict], target: str = "corl") -> str:
             rows = [r for r in records if r["env"] == env and r["dataset"] == ds]
             if not rows:
                 continue
-            by = {
-                c: [r for r in rows if (r["model"], r.get("eval", "window")) == c] for c in COLUMNS
-            }
+            by = _by_column(rows)
             scores = [
                 _cell([r["score"] for r in by[c]], by[c][0]["score_std"] if by[c] else None)
                 for c in COLUMNS
@@ -149,10 +152,7 @@ def per_seed_table(records: list[dict]) -> str:
                 ]
                 if not rows:
                     continue
-                by = {
-                    c: [r for r in rows if (r["model"], r.get("eval", "window")) == c]
-                    for c in COLUMNS
-                }
+                by = _by_column(rows)
                 verdicts = [verdict(by[COLUMNS[0]], by[c]) for c in COLUMNS[1:]]
                 judged = " / ".join(
                     "-" if v is None else ("met" if v else "not met") for v in verdicts
