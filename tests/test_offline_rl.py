@@ -361,6 +361,34 @@ def test_report_per_seed_lists_every_seed_and_marks_the_missing_ones(tmp_path, c
     ]
 
 
+def test_report_against_a_baseline_pairs_the_same_runs_only(tmp_path, capsys):
+    def record(model, mode, seed, score, dataset="medium", target="corl"):
+        return {"env": "hopper", "dataset": dataset, "model": model, "seed": seed,
+                "eval": mode, "target": target, "score": score, "score_std": 0.0,
+                "score_own": score, "ms_per_env_step": 1.0}  # fmt: skip
+
+    baseline = [record("transformer", "window", s, 10.0) for s in (0, 1)]
+    baseline += [record("aaren", "stream", s, 20.0) for s in (0, 1)]
+    baseline += [record("aaren", "window", 0, 50.0, "medium-expert")]
+    # seed 2 and the data-best record have no baseline pair; the stream is higher on seed 1 only
+    records = [record("transformer", "window", s, v) for s, v in ((0, 12.0), (1, 14.0), (2, 99.0))]
+    records += [record("aaren", "stream", s, v) for s, v in ((0, 16.0), (1, 21.0))]
+    records += [record("aaren", "window", 0, 40.0, "medium-expert"),
+                record("transformer", "window", 0, 0.0, target="data_best")]  # fmt: skip
+    paths = tmp_path / "now.json", tmp_path / "then.json"
+    for path, rows in zip(paths, (records, baseline), strict=True):
+        path.write_text(json.dumps(rows))
+    report.main([str(paths[0]), "--against", str(paths[1])])
+    out = capsys.readouterr().out.splitlines()
+    rows = [r for r in out if r.startswith(("| medium", "| all"))]
+    assert rows == [
+        "| medium | 2 of 2: 10.0 -> 13.0 | - | 1 of 2: 20.0 -> 18.5 |",
+        "| medium-replay | - | - | - |",
+        "| medium-expert | - | 0 of 1: 50.0 -> 40.0 | - |",
+        "| all | 2 of 2: 10.0 -> 13.0 | 0 of 1: 50.0 -> 40.0 | 1 of 2: 20.0 -> 18.5 |",
+    ]
+
+
 def test_report_names_the_machines_of_its_records():
     base = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0, "eval": "window",
             "target": "corl", "score": 1.0, "score_std": 0.0, "score_own": 1.0,

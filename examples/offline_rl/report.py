@@ -14,7 +14,9 @@ target. ``--per-seed``: every seed's score instead, both targets, one row per ce
 then each run's held-out action fit (the README's per-seed tables). ``--manifest``: the
 generated data instead (the generator's ``manifest.json``): per environment the behaviour
 policies' returns and the datasets' sizes and mean returns, D4RL-normalised and
-own-normalised.
+own-normalised. ``--against BASELINE``: the records' seeds paired with the same runs in
+another results file (e.g. the K = 60 grid against K = 20), per dataset: how many pairs
+score higher, and both means.
 """
 
 from __future__ import annotations
@@ -193,6 +195,45 @@ def fit_table(records: list[dict], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _run_key(r: dict) -> tuple:
+    return r["env"], r["dataset"], r["model"], r.get("eval", "window"), r["seed"]
+
+
+def comparison_table(records: list[dict], baseline: list[dict], target: str = "corl") -> str:
+    """A Markdown table of ``records`` against ``baseline``, paired on the same environment,
+    dataset, model, evaluation and seed at ``target``: per dataset (over the environments)
+    and in all, for each column, the pairs higher in ``records`` and both means."""
+    base = {_run_key(r): r["score"] for r in baseline if r.get("target", "corl") == target}
+    pairs = [
+        (r, base[_run_key(r)])
+        for r in records
+        if r.get("target", "corl") == target and _run_key(r) in base
+    ]
+    lines = [
+        "Seed pairs higher than the baseline, then the mean: baseline -> these records.",
+        "",
+        f"| dataset | {HEADER} |",
+        "|---|---|---|---|",
+    ]
+    for name, datasets in [*((ds, (ds,)) for ds in DATASETS), ("all", DATASETS)]:
+        cells = []
+        for column in COLUMNS:
+            p = [
+                (r["score"], b)
+                for r, b in pairs
+                if r["dataset"] in datasets and (r["model"], r.get("eval", "window")) == column
+            ]
+            if not p:
+                cells.append("-")
+                continue
+            now, then = np.asarray(p).T
+            cells.append(
+                f"{int((now > then).sum())} of {len(p)}: {then.mean():.1f} -> {now.mean():.1f}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def machine(record: dict) -> str:
     """The machine a record was made on: its CPU, and its accelerator if the model ran on
     one (records from before ``device`` was recorded ran on the CPU)."""
@@ -261,6 +302,8 @@ def main(argv=None) -> None:
     p.add_argument("--per-seed", action="store_true",
                    help="every seed's score, both targets, instead of the summary")  # fmt: skip
     p.add_argument("--manifest", default=None, help="print the generated data's tables instead")
+    p.add_argument("--against", default=None,
+                   help="pair the seeds with this results file's instead")  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="only these seeds (default: all recorded)")  # fmt: skip
     args = p.parse_args(argv)
@@ -270,6 +313,9 @@ def main(argv=None) -> None:
     records = load_records(args.results)
     if args.seeds is not None:
         records = [r for r in records if r["seed"] in args.seeds]
+    if args.against:
+        print(comparison_table(records, load_records(args.against), args.target))
+        return
     if args.per_seed:
         print(per_seed_table(records))  # the table is the command's output
         return
