@@ -97,7 +97,7 @@ def test_pack_restores_datasets_that_read_back_equal(generated, tmp_path):
     )
     for spec in ids:
         a, b = data.load_trajectories(spec, root), data.load_trajectories(spec, other)
-        assert pack.trajectory_digest(a) == pack.trajectory_digest(b)
+        assert data.trajectory_digest(a) == data.trajectory_digest(b)
         for x, y in zip(a.observations + a.returns, b.observations + b.returns, strict=True):
             np.testing.assert_array_equal(x, y)
         assert a.ref_scores == b.ref_scores
@@ -113,9 +113,9 @@ def test_pack_restores_datasets_that_read_back_equal(generated, tmp_path):
         pack.restore(tmp_path / "bad.npz", tmp_path / "third")
     # a digest sees a change in the last bit of one observation
     tr = data.load_trajectories(ids[0], root)
-    before = pack.trajectory_digest(tr)
+    before = data.trajectory_digest(tr)
     tr.observations[0][0, 0] = np.nextafter(tr.observations[0][0, 0], np.float32(np.inf))
-    assert pack.trajectory_digest(tr) != before
+    assert data.trajectory_digest(tr) != before
 
 
 def test_sweep_workers_share_the_sweep(tmp_path, monkeypatch):
@@ -201,6 +201,8 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
         assert r["cpu_model"] == cpu_model() and r["jax"] == jax.__version__
         assert r["device"] == jax.devices()[0].device_kind
+        assert r["data_digest"] == data.trajectory_digest(train.load_data(cfg))
+        assert r["data_manifest"] == data.manifest_fingerprint(entry)
         ref = (entry["random_policy_return"], entry["expert_policy_return"])
         assert r["score_own"] == pytest.approx(100 * (r["return"] - ref[0]) / (ref[1] - ref[0]))
     # a finished run folder returns its records without training again
@@ -477,6 +479,42 @@ def test_sweep_refuses_a_results_file_of_another_kind_of_run(tmp_path):
             sweep.main([*args, *option])
     with pytest.raises(SystemExit, match="train_steps"):
         sweep.main(["--results", str(results), "--dry-run", "--steps", "5000"])
+
+
+def test_sweep_refuses_to_mix_runs_on_other_data(generated, tmp_path):
+    from examples.offline_rl import sweep
+
+    root, _, entry = generated
+    spec = data.dataset_id("hopper", "medium")
+    # what another CPU's generator writes: the same sizes, other returns
+    other = json.loads(json.dumps(entry))
+    other["snapshot_returns"][0] = np.nextafter(other["snapshot_returns"][0], np.inf)
+    assert data.manifest_fingerprint(other) != data.manifest_fingerprint(entry)
+    # the wall time and the checkpoint cadence do not decide the data
+    again = json.loads(json.dumps(entry))
+    again["sac_wall_s"] += 1.0
+    again["config"]["save_every_s"] += 1.0
+    assert data.manifest_fingerprint(again) == data.manifest_fingerprint(entry)
+    results = tmp_path / "runs.json"
+    record = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0,
+              "train_steps": 500, "eval_episodes": 1, "dataset_id": spec,
+              "data_manifest": data.manifest_fingerprint(other)}  # fmt: skip
+    results.write_text(json.dumps([record]))
+    args = ["--results", str(results), "--data-root", str(root), "--envs", "hopper"]
+    args += ["--datasets", "medium", "--models", "aaren", "--seeds", "1", "--steps", "500"]
+    args += ["--eval-episodes", "1"]
+    with pytest.raises(SystemExit, match="other data \\(data_manifest"):
+        sweep.main(args)
+    assert json.loads(results.read_text()) == [record]  # refused before training
+    cfg = configs.tiny_config("hopper", "medium", "aaren")
+    cfg.data.data_root = str(root)
+    here = train.data_provenance(cfg, train.load_data(cfg))
+    sweep.check_same_data(results, "aaren/hopper/other-v0", here)  # another dataset: fine
+    results.write_text(json.dumps([{**record, "data_manifest": None}, {**record, **here}]))
+    sweep.check_same_data(results, spec, here)  # the same data, or not recorded: fine
+    results.write_text(json.dumps([{**record, **here, "data_digest": "0" * 64}]))
+    with pytest.raises(SystemExit, match="data_digest 000000000000"):
+        sweep.check_same_data(results, spec, here)
 
 
 @pytest.mark.parametrize("backbone", ["transformer", "aaren"])

@@ -20,6 +20,8 @@ Shape notation: ``B`` batch, ``K`` context steps, ``S`` observation size, ``A`` 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -147,6 +149,44 @@ def load_trajectories(
         str(spec),
         None if lo is None or hi is None else (float(lo), float(hi)),
     )
+
+
+def trajectory_digest(traj: Trajectories) -> str:
+    """SHA-256 of everything the reader returns (arrays in episode order, statistics and
+    reference scores): equal digests, equal training data."""
+    h = hashlib.sha256()
+    for episodes in (
+        traj.observations,
+        traj.actions,
+        traj.rewards,
+        traj.returns,
+        traj.terminations,
+        traj.truncations,
+    ):
+        for a in episodes:
+            h.update(np.ascontiguousarray(a).tobytes())
+    h.update(traj.state_mean.tobytes())
+    h.update(traj.state_std.tobytes())
+    h.update(repr(traj.ref_scores).encode())
+    return h.hexdigest()
+
+
+def manifest_entry(env: str, data_root: str | os.PathLike | None = None) -> dict | None:
+    """``env``'s entry in the generator's ``<data root>/manifest.json``, or None."""
+    path = (Path(data_root) if data_root is not None else default_root()) / "manifest.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get(env)
+
+
+def manifest_fingerprint(entry: dict) -> str:
+    """SHA-256 of a generator manifest entry without what does not decide the data (the SAC
+    wall time, the checkpoint cadence): the policies' evaluated returns and the datasets'
+    sizes and mean returns, to the last bit. Datasets generated on another CPU or with
+    another MuJoCo differ in it."""
+    kept = {k: v for k, v in entry.items() if k != "sac_wall_s"}
+    kept["config"] = {k: v for k, v in entry["config"].items() if k != "save_every_s"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
 class SequenceData:

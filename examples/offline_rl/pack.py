@@ -21,7 +21,6 @@ which deflate compresses far better than interleaved floats.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -34,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from examples.common import setup_logging  # noqa: E402
 from examples.offline_rl import configs  # noqa: E402
 from examples.offline_rl.data import (  # noqa: E402
-    Trajectories,
     dataset_id,
     load_trajectories,
     open_dataset,
     set_data_root,
+    trajectory_digest,
 )
 
 # Metadata passed back to ``minari.create_dataset_from_buffers`` as it was written.
@@ -52,26 +51,6 @@ _META_KEYS = (
     "ref_max_score",
     "num_episodes_average_score",
 )
-
-
-def trajectory_digest(traj: Trajectories) -> str:
-    """SHA-256 of everything the reader returns (arrays in episode order, statistics and
-    reference scores): equal digests, equal training data."""
-    h = hashlib.sha256()
-    for episodes in (
-        traj.observations,
-        traj.actions,
-        traj.rewards,
-        traj.returns,
-        traj.terminations,
-        traj.truncations,
-    ):
-        for a in episodes:
-            h.update(np.ascontiguousarray(a).tobytes())
-    h.update(traj.state_mean.tobytes())
-    h.update(traj.state_std.tobytes())
-    h.update(repr(traj.ref_scores).encode())
-    return h.hexdigest()
 
 
 def _shuffle(a: np.ndarray) -> np.ndarray:

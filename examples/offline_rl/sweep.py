@@ -103,6 +103,24 @@ def pending_runs(args: argparse.Namespace, done: set[tuple]) -> list[tuple]:
     ]
 
 
+def check_same_data(results: Path, dataset: str, provenance: dict) -> None:
+    """Refuses to add runs of ``dataset`` trained on other data than the runs ``results``
+    holds of it (``train.data_provenance``: the generator draws other datasets on another
+    CPU or MuJoCo, and a table that mixed them would compare unlike runs)."""
+    for key, value in provenance.items():
+        if key == "mujoco" or value is None:
+            continue
+        held = {r.get(key) for r in load_records(results) if r.get("dataset_id") == dataset}
+        held.discard(None)
+        if held - {value}:
+            raise SystemExit(
+                f"error: {results} holds {dataset} runs on other data ({key} "
+                f"{', '.join(sorted(h[:12] for h in held))}; this data root's: {value[:12]}). "
+                "Carry the datasets they were trained on (pack.py), or give --results "
+                "another file"
+            )
+
+
 def run_workers(argv: list[str], n: int) -> None:
     """``n`` copies of this sweep (``argv`` with one worker each), waited for. JAX does not
     take most of a GPU's memory up front in them, so that they can share one device."""
@@ -179,6 +197,9 @@ def main(argv=None) -> None:
             if (env, ds) not in cache:
                 cache.clear()
                 cache[(env, ds)] = train.load_data(cfg)
+                check_same_data(
+                    results, cache[(env, ds)].name, train.data_provenance(cfg, cache[(env, ds)])
+                )
             records = train.train_and_evaluate(
                 cfg,
                 str(workdir),

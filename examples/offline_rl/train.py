@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import importlib.metadata
 import logging
 import os
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -22,8 +21,10 @@ from examples.offline_rl.data import (
     SequenceData,
     Trajectories,
     dataset_id,
-    default_root,
     load_trajectories,
+    manifest_entry,
+    manifest_fingerprint,
+    trajectory_digest,
     validation_subset,
 )
 from examples.offline_rl.model import DecisionModel, eval_fn, loss_fn
@@ -50,14 +51,31 @@ def own_reference(config: Config, traj: Trajectories) -> tuple[float, float] | N
     the generator's manifest (medium-expert, a combined dataset, has no metadata)."""
     if traj.ref_scores is not None:
         return traj.ref_scores
-    root = Path(config.data.data_root) if config.data.data_root else default_root()
-    path = root / "manifest.json"
-    if not path.exists():
-        return None
-    entry = json.loads(path.read_text()).get(config.data.env)
+    entry = manifest_entry(config.data.env, config.data.data_root)
     if entry is None:
         return None
     return entry["random_policy_return"], entry["expert_policy_return"]
+
+
+def data_provenance(config: Config, traj: Trajectories) -> dict:
+    """What a run was trained on: ``data_digest`` (``trajectory_digest``, exact) and, for a
+    generated dataset, ``data_manifest`` (``manifest_fingerprint`` of its generator entry;
+    None for any other Minari dataset), with the simulator's version. Runs of one dataset
+    id compare only where these agree: the generator draws other data on another CPU."""
+    dc = config.data
+    entry = None if dc.dataset_id else manifest_entry(dc.env, dc.data_root)
+    return {
+        "data_digest": trajectory_digest(traj),
+        "data_manifest": None if entry is None else manifest_fingerprint(entry),
+        "mujoco": _version("mujoco"),
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def make_env_fn(env: str):
@@ -179,8 +197,8 @@ def train_and_evaluate(
       "target" (``"corl"`` or ``"data_best"``, ``targets``), "score",
       "score_std", "score_own", "return", "return_std", "eval_episodes", "target_return",
       "ms_per_env_step", "train_steps", "train_wall_s", "wall_s", "cpu_model", "jax",
-      ...}``; ``score`` is D4RL's normalised score, ``score_own`` the one with our own random
-      and expert policies.
+      "data_digest", "data_manifest", "mujoco", ...}`` (``data_provenance``); ``score`` is
+      D4RL's normalised score, ``score_own`` the one with our own random and expert policies.
     """
     t0 = time.perf_counter()
     run = RunDir(workdir, config, overwrite=overwrite) if workdir is not None else None
@@ -208,6 +226,7 @@ def train_and_evaluate(
     model = result.model
     nnx.update(model, result.params)  # CORL evaluates the last parameters, not a "best" one
     records = []
+    provenance = data_provenance(config, traj)
     load = round(os.getloadavg()[0], 2)  # other jobs on the machine move the timings
     for mode in modes(config):
         ms = None  # timed once per mode: the target does not change the step's cost
@@ -227,6 +246,7 @@ def train_and_evaluate(
                     **scores,
                     "dataset_id": traj.name,
                     "transitions": traj.num_transitions,
+                    **provenance,
                     "context_steps": config.model.seq_len,
                     **({"fold_return": True} if config.model.fold_return else {}),
                     "train_steps": result.step,
