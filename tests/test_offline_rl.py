@@ -481,9 +481,10 @@ def test_sweep_refuses_a_results_file_of_another_kind_of_run(tmp_path):
         sweep.main(["--results", str(results), "--dry-run", "--steps", "5000"])
 
 
-def test_sweep_refuses_to_mix_runs_on_other_data(generated, tmp_path):
+def test_sweep_refuses_to_mix_runs_on_other_data(generated, tmp_path, monkeypatch):
     from examples.offline_rl import sweep
 
+    monkeypatch.setenv("AAREN_RUNS_ROOT", str(tmp_path / "runs"))  # the sweep's claims
     root, _, entry = generated
     spec = data.dataset_id("hopper", "medium")
     # what another CPU's generator writes: the same sizes, other returns
