@@ -107,11 +107,12 @@ def check_same_data(results: Path, dataset: str, provenance: dict) -> None:
     """Refuses to add runs of ``dataset`` trained on other data than the runs ``results``
     holds of it (``train.data_provenance``: the generator draws other datasets on another
     CPU or MuJoCo, and a table that mixed them would compare unlike runs)."""
+    records = [r for r in load_records(results) if r.get("dataset_id") == dataset]
     for key in ("data_digest", "data_manifest"):  # "mujoco" is recorded, not compared
         value = provenance[key]
         if value is None:
             continue
-        held = {r.get(key) for r in load_records(results) if r.get("dataset_id") == dataset}
+        held = {r.get(key) for r in records}
         held.discard(None)
         if held - {value}:
             raise SystemExit(
