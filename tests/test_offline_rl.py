@@ -438,6 +438,7 @@ def test_drift_script_stream_equals_window_while_the_window_holds_the_episode(ge
     argv += ["--workdir", str(tmp_path / "run"), "--episodes", "1", "--out", str(out)]
     record = drift.main(argv)
     assert record["train_steps"] == 2 and json.loads(out.read_text()) == [record]
+    assert len(record["data_digest"]) == 64 and record["cpu_count"] >= 1  # data and machine
     first = record["buckets"][0]
     assert (first["t_from"], first["steps"]) == (0, min(20, int(record["episode_len"])))
     assert first["rms_diff"] < 1e-5  # same history, same action: one model, two paths

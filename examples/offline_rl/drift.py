@@ -18,7 +18,8 @@ then up to 50, 100, 200, 500, 1000). ``--context`` trains and plays with another
 One record per run goes to ``--out`` (default ``results/offline_rl_drift.json``):
 ``{"env", "dataset", "seed", "train_steps", "context_steps", "episodes", "return",
 "episode_len", "score", "stream_return", "stream_episode_len", "stream_score", "buckets":
-[{"t_from", "t_to", "steps", "rms_diff", "relative"}, ...], ...}``: ``return`` and ``score``
+[{"t_from", "t_to", "steps", "rms_diff", "relative"}, ...], "data_digest", "data_manifest",
+"mujoco", "cpu_model", "cpu_count", "jax", ...}``: ``return`` and ``score``
 (D4RL-normalised) are the windowed policy's, ``stream_*`` the same model streaming in closed
 loop over the same episode seeds (its own actions, so its own drift compounds).
 
@@ -29,14 +30,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
+from aaren_jax.native import cpu_model  # noqa: E402
 from examples.common import append_record, setup_logging  # noqa: E402
 from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
 from examples.offline_rl import configs, train  # noqa: E402
@@ -145,6 +149,12 @@ def main(argv=None) -> dict:
         "stream_episode_len": float(np.mean(streamed.lengths)),
         "stream_score": float(np.mean(ev.normalised(streamed.returns, ref))),
         "buckets": drift_by_timestep(window, stream, out.lengths, cfg.model.seq_len),
+        # which draw of the data (the generator draws other datasets on another CPU) and
+        # which machine
+        **train.data_provenance(cfg, traj),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
         "command": "python examples/offline_rl/drift.py " + " ".join(argv or sys.argv[1:]),
     }
     append_record(own.out, record)
