@@ -279,6 +279,38 @@ def test_resume_gives_the_same_parameters(generated, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, straight.params, resumed.params)
 
 
+def test_generation_against_a_reference_stops_at_the_first_other_snapshot(
+    generated, tmp_path, monkeypatch
+):
+    """Drawn again from its seed, a generation equals its manifest entry to the last bit; a
+    reference whose second snapshot differs stops the agent at that snapshot, before any
+    dataset is written, naming the step; another configuration is refused before training."""
+    _, cfg, entry = generated
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))  # generate() repoints Minari
+    assert set(entry["machine"]) == {"cpu_model", "mujoco", "jax"}
+    again = generate.generate("hopper", cfg, tmp_path / "same", reference=entry)
+    assert data.manifest_fingerprint(again) == data.manifest_fingerprint(entry)
+
+    other = json.loads(json.dumps(entry))
+    other["snapshot_returns"][1] += 1e-9
+    with pytest.raises(generate.OtherDraw, match=r"snapshot at 400 steps evaluates"):
+        generate.generate("hopper", cfg, tmp_path / "other", reference=other)
+    assert not (tmp_path / "other" / "manifest.json").exists()
+    assert not list((tmp_path / "other").glob(f"{data.NAMESPACE}/**/data"))
+
+    other = json.loads(json.dumps(entry))
+    other["random_policy_return"] += 1.0
+    with pytest.raises(generate.OtherDraw, match="differs from the reference manifest in "
+                       "random_policy_return"):  # fmt: skip
+        generate.generate("hopper", cfg, tmp_path / "same", reference=other)
+
+    with pytest.raises(ValueError, match=r"sac_steps=400, here 600"):
+        generate.generate(
+            "hopper", dataclasses.replace(cfg, sac_steps=600), tmp_path / "x", reference=entry
+        )
+    assert not (tmp_path / "x" / "behaviour").exists()
+
+
 def test_sac_resume_gives_the_same_agent(tmp_path):
     """Stopped at an episode end and resumed, the agent and buffer equal an uninterrupted run."""
     cfg = configs.tiny_gen_config()

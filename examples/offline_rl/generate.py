@@ -17,6 +17,12 @@ at episode boundaries every ``--save-every-s`` seconds; a finished dataset is no
 ``<data root>/manifest.json`` records, per environment, the snapshots' returns, the chosen
 medium policy, the random and expert returns and the datasets' sizes.
 
+Reproducing a draw: ``--reference <manifest.json>`` (e.g. ``results/offline_rl_manifest.json``)
+checks every snapshot's evaluated return against that manifest's entry as it is made and
+stops at the first that differs, then checks the finished entry. The draw is reproducible on
+one kind of CPU (and MuJoCo version) only: machines of three kinds here drew three
+different Hopper agents from the same command.
+
 Shape notation: ``N`` transitions, ``S`` observation size, ``A`` action size.
 """
 
@@ -39,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from aaren_jax.native import cpu_model  # noqa: E402
 from examples.common import CheckpointIO, setup_logging  # noqa: E402
 from examples.offline_rl import data as rl_data  # noqa: E402
 from examples.offline_rl import sac  # noqa: E402
@@ -153,12 +160,40 @@ def sac_policy(nets, actor, seed: int, deterministic: bool):
     return policy
 
 
+class OtherDraw(ValueError):
+    """This machine draws other data than the reference manifest records."""
+
+
+def _machine() -> dict:
+    """What decides the draw besides the configuration: the CPU and the simulator."""
+    import mujoco
+
+    return {"cpu_model": cpu_model(), "mujoco": mujoco.__version__, "jax": jax.__version__}
+
+
+def check_snapshots(env_name: str, cfg: GenConfig, returns, reference_returns) -> None:
+    """Raises ``OtherDraw`` at the first snapshot whose evaluated return is not, to the last
+    bit, the reference's (equal machines draw equal agents; any difference grows)."""
+    # while training, ``returns`` is a prefix of the reference's
+    for i, (got, want) in enumerate(zip(returns, reference_returns, strict=False)):
+        if got != want:
+            raise OtherDraw(
+                f"{env_name}: the SAC snapshot at {(i + 1) * cfg.snapshot_every} steps "
+                f"evaluates {got!r}, the reference manifest {want!r}: this machine "
+                f"({_machine()}) draws other datasets than the reference's"
+            )
+
+
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def train_behaviour(
-    env_name: str, cfg: GenConfig, workdir: Path, stop_after: int | None = None
+    env_name: str,
+    cfg: GenConfig,
+    workdir: Path,
+    stop_after: int | None = None,
+    reference_returns: list[float] | None = None,
 ) -> dict:
     """Trains (or resumes) the SAC agent; returns its buffer, snapshots and their returns.
 
@@ -168,6 +203,8 @@ def train_behaviour(
       workdir: where the agent's checkpoints live (resumes from them).
       stop_after: stop (checkpointed, resumable) at the first episode end after this many
         environment steps in total; None: train to ``cfg.sac_steps``.
+      reference_returns: the snapshots' evaluated returns of a draw to reproduce; the first
+        that differs raises ``OtherDraw`` (checkpointed snapshots are checked on resume).
 
     Returns:
       ``{"nets", "state", "buffer", "snapshots" (stacked actors [n, ...]), "snapshot_steps",
@@ -193,6 +230,8 @@ def train_behaviour(
         buf.size, env_steps, episode = meta["size"], meta["env_steps"], meta["episode"]
         snap_returns, wall = meta["snapshot_returns"], meta["wall_s"]
         logging.info("%s SAC: resumed at %d environment steps", env_name, env_steps)
+    if reference_returns is not None:
+        check_snapshots(env_name, cfg, snap_returns, reference_returns)
 
     t0, last_save = time.perf_counter(), time.perf_counter()
 
@@ -241,6 +280,8 @@ def train_behaviour(
                     cfg.eval_episodes,
                 )
                 snap_returns.append(ret)
+                if reference_returns is not None:
+                    check_snapshots(env_name, cfg, snap_returns, reference_returns)
                 logging.info(
                     "%s SAC step %d: eval return %.1f, training episodes %.1f, alpha %.3f",
                     env_name,
@@ -307,16 +348,33 @@ def generate(
     cfg: GenConfig,
     data_root: str | os.PathLike | None = None,
     stop_after: int | None = None,
+    reference: dict | None = None,
 ) -> dict | None:
     """Trains the behaviour agent (resuming) and writes the three datasets; returns the
     manifest entry of ``env_name`` (also written to ``<data root>/manifest.json``), or None
-    when ``stop_after`` stopped the agent's training before its end (run again to resume)."""
+    when ``stop_after`` stopped the agent's training before its end (run again to resume).
+
+    ``reference``: a manifest entry of ``env_name`` to reproduce. Its configuration must be
+    ``cfg`` (``ValueError`` before any training); a snapshot return that differs from its
+    own raises ``OtherDraw`` as soon as it is evaluated, and a finished entry whose
+    fingerprint (``data.manifest_fingerprint``) differs raises it before it is written."""
     import minari
 
+    reference_returns = None
+    if reference is not None:
+        fields = lambda c: {k: v for k, v in c.items() if k != "save_every_s"}  # noqa: E731
+        ours, theirs = fields(dataclasses.asdict(cfg)), fields(reference["config"])
+        if ours != theirs:
+            differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            raise ValueError(
+                f"reference: its {env_name} entry was generated with another configuration "
+                f"({', '.join(f'{k}={theirs.get(k)!r}, here {ours.get(k)!r}' for k in differ)})"
+            )
+        reference_returns = reference["snapshot_returns"]
     root = rl_data.set_data_root(data_root)
     workdir = root / "behaviour" / f"{env_name}-seed{cfg.seed}-steps{cfg.sac_steps}"
     workdir.mkdir(parents=True, exist_ok=True)
-    beh = train_behaviour(env_name, cfg, workdir, stop_after)
+    beh = train_behaviour(env_name, cfg, workdir, stop_after, reference_returns)
     if not beh["done"]:
         logging.info("%s: SAC stopped at %d steps; run again to resume", env_name, beh["env_steps"])
         return None
@@ -403,7 +461,17 @@ def generate(
         "expert_policy_return": expert_return,
         "random_policy_return": random_return,
         "datasets": sizes,
+        "machine": _machine(),
     }
+    if reference is not None and (
+        rl_data.manifest_fingerprint(entry) != rl_data.manifest_fingerprint(reference)
+    ):
+        ignored = ("sac_wall_s", "machine", "config")  # the config was checked first
+        differ = sorted(k for k in entry if k not in ignored and entry[k] != reference.get(k))
+        raise OtherDraw(
+            f"{env_name}: the finished draw differs from the reference manifest in "
+            f"{', '.join(differ)} (this machine: {_machine()}); not written to the manifest"
+        )
     update_manifest(root, env_name, entry)
     logging.info("%s: %s", env_name, json.dumps(entry["datasets"]))
     return entry
@@ -423,6 +491,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--medium-fraction", type=float, default=d.medium_fraction)
     p.add_argument("--save-every-s", type=float, default=d.save_every_s)
     p.add_argument("--stop-after", type=int, default=None, help="SAC steps, then stop (resume)")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="a manifest.json to reproduce: stop at the first snapshot that differs",
+    )
     return p.parse_args(argv)
 
 
@@ -437,8 +510,15 @@ def main(argv=None) -> None:
         medium_fraction=args.medium_fraction,
         save_every_s=args.save_every_s,
     )
+    reference = None
+    if args.reference is not None:
+        reference = json.loads(Path(args.reference).read_text())
+        missing = [e for e in args.env if e not in reference]
+        if missing:
+            raise ValueError(f"--reference {args.reference}: no entry for {missing}")
     for env_name in args.env:
-        generate(env_name, cfg, args.data_root, args.stop_after)
+        ref = None if reference is None else reference[env_name]
+        generate(env_name, cfg, args.data_root, args.stop_after, ref)
 
 
 if __name__ == "__main__":
