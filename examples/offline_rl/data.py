@@ -179,13 +179,19 @@ def manifest_entry(env: str, data_root: str | os.PathLike | None = None) -> dict
     return json.loads(path.read_text()).get(env)
 
 
+def drawing_config(config: dict) -> dict:
+    """A generator configuration (``GenConfig`` as a dict) without what does not decide the
+    data: the checkpoint cadence."""
+    return {k: v for k, v in config.items() if k != "save_every_s"}
+
+
 def manifest_fingerprint(entry: dict) -> str:
     """SHA-256 of a generator manifest entry without what does not decide the data (the SAC
     wall time, the checkpoint cadence, the machine it names): the policies' evaluated returns
     and the datasets' sizes and mean returns, to the last bit. Datasets generated on another
     CPU or with another MuJoCo differ in it."""
     kept = {k: v for k, v in entry.items() if k not in ("sac_wall_s", "machine")}
-    kept["config"] = {k: v for k, v in entry["config"].items() if k != "save_every_s"}
+    kept["config"] = drawing_config(entry["config"])
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 

@@ -362,8 +362,8 @@ def generate(
 
     reference_returns = None
     if reference is not None:
-        fields = lambda c: {k: v for k, v in c.items() if k != "save_every_s"}  # noqa: E731
-        ours, theirs = fields(dataclasses.asdict(cfg)), fields(reference["config"])
+        ours = rl_data.drawing_config(dataclasses.asdict(cfg))
+        theirs = rl_data.drawing_config(reference["config"])
         if ours != theirs:
             differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
             raise ValueError(
