@@ -145,6 +145,7 @@ def test_sweep_workers_share_the_sweep(tmp_path, monkeypatch):
 def test_data_table_from_the_manifest(generated):
     _, _, entry = generated
     rows = report.data_table({"hopper": entry}).splitlines()
+    assert f"drawn on {entry['machine']['cpu_model']}, MuJoCo " in rows[0]
     cells = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in rows if r.startswith("| ")}
     # own-normalised: the random policy at 0, the expert at 100
     assert float(cells["random policy"][-1]) == 0.0

@@ -264,9 +264,13 @@ def data_table(manifest: dict) -> str:
         m = manifest[env]
         refs = D4RL_REF[env], (m["random_policy_return"], m["expert_policy_return"])
         n_eval = m["config"]["eval_episodes"]
+        drawn_on = m.get("machine")  # not recorded before 2026-11-28
+        where = (
+            f"; drawn on {drawn_on['cpu_model']}, MuJoCo {drawn_on['mujoco']}" if drawn_on else ""
+        )
         lines = [
             f"{env} ({m['env_id']}; SAC for {m['config']['sac_steps']:,} environment steps, "
-            f"{m['sac_wall_s'] / 60:.1f} min)",
+            f"{m['sac_wall_s'] / 60:.1f} min{where})",
             "",
             f"| {env} | transitions | episodes | mean return | D4RL-normalised | own-normalised |",
             "|---|---|---|---|---|---|",
