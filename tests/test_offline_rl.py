@@ -293,7 +293,7 @@ def test_generation_against_a_reference_stops_at_the_first_other_snapshot(
     assert data.manifest_fingerprint(again) == data.manifest_fingerprint(entry)
 
     other = json.loads(json.dumps(entry))
-    other["snapshot_returns"][1] += 1e-9
+    other["snapshot_returns"][1] = float(np.nextafter(other["snapshot_returns"][1], np.inf))
     with pytest.raises(generate.OtherDraw, match=r"snapshot at 400 steps evaluates"):
         generate.generate("hopper", cfg, tmp_path / "other", reference=other)
     assert not (tmp_path / "other" / "manifest.json").exists()
