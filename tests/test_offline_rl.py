@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from pathlib import Path
 from unittest import mock
 
 import jax
@@ -145,7 +146,8 @@ def test_sweep_workers_share_the_sweep(tmp_path, monkeypatch):
 def test_data_table_from_the_manifest(generated):
     _, _, entry = generated
     rows = report.data_table({"hopper": entry}).splitlines()
-    assert f"drawn on {entry['machine']['cpu_model']}, MuJoCo " in rows[0]
+    drawn_on = entry["machine"]
+    assert f"drawn on {drawn_on['cpu_model']} ({drawn_on['cpu_kind']}), MuJoCo " in rows[0]
     cells = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in rows if r.startswith("| ")}
     # own-normalised: the random policy at 0, the expert at 100
     assert float(cells["random policy"][-1]) == 0.0
@@ -288,7 +290,9 @@ def test_generation_against_a_reference_stops_at_the_first_other_snapshot(
     dataset is written, naming the step; another configuration is refused before training."""
     _, cfg, entry = generated
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path))  # generate() repoints Minari
-    assert set(entry["machine"]) == {"cpu_model", "mujoco", "jax"}
+    assert set(entry["machine"]) == {"cpu_model", "cpu_kind", "mujoco", "jax"}
+    if Path("/proc/cpuinfo").exists():  # the family, model and vector width, named
+        assert entry["machine"]["cpu_kind"].startswith("family ")
     again = generate.generate("hopper", cfg, tmp_path / "same", reference=entry)
     assert data.manifest_fingerprint(again) == data.manifest_fingerprint(entry)
 

@@ -20,8 +20,9 @@ medium policy, the random and expert returns and the datasets' sizes.
 Reproducing a draw: ``--reference <manifest.json>`` (e.g. ``results/offline_rl_manifest.json``)
 checks every snapshot's evaluated return against that manifest's entry as it is made and
 stops at the first that differs, then checks the finished entry. The draw is reproducible on
-one kind of CPU (and MuJoCo version) only: machines of three kinds here drew three
-different Hopper agents from the same command.
+the kinds of CPU (and MuJoCo version) that drew it only: machines of four kinds here drew
+three different Hopper agents from the same command (an Intel Xeon and an AMD EPYC, both
+with AVX-512, drew the same one).
 
 Shape notation: ``N`` transitions, ``S`` observation size, ``A`` action size.
 """
@@ -164,11 +165,34 @@ class OtherDraw(ValueError):
     """This machine draws other data than the reference manifest records."""
 
 
+def _cpu_kind() -> str:
+    """The CPU's family, model number and vector width: a virtual machine's model name
+    ("AMD EPYC") is the same for kinds that draw different data."""
+    fields, flags = {}, set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        return "not known"
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, {vector}"
+
+
 def _machine() -> dict:
     """What decides the draw besides the configuration: the CPU and the simulator."""
     import mujoco
 
-    return {"cpu_model": cpu_model(), "mujoco": mujoco.__version__, "jax": jax.__version__}
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_kind": _cpu_kind(),
+        "mujoco": mujoco.__version__,
+        "jax": jax.__version__,
+    }
 
 
 def check_snapshots(env_name: str, cfg: GenConfig, returns, reference_returns) -> None:

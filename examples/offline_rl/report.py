@@ -265,9 +265,10 @@ def data_table(manifest: dict) -> str:
         refs = D4RL_REF[env], (m["random_policy_return"], m["expert_policy_return"])
         n_eval = m["config"]["eval_episodes"]
         drawn_on = m.get("machine")  # not recorded before 2026-11-28
-        where = (
-            f"; drawn on {drawn_on['cpu_model']}, MuJoCo {drawn_on['mujoco']}" if drawn_on else ""
-        )
+        where = ""
+        if drawn_on:  # the CPU's kind is recorded from 2026-11-29
+            kind = f" ({drawn_on['cpu_kind']})" if "cpu_kind" in drawn_on else ""
+            where = f"; drawn on {drawn_on['cpu_model']}{kind}, MuJoCo {drawn_on['mujoco']}"
         lines = [
             f"{env} ({m['env_id']}; SAC for {m['config']['sac_steps']:,} environment steps, "
             f"{m['sac_wall_s'] / 60:.1f} min{where})",
