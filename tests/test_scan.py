@@ -633,6 +633,24 @@ def test_compiled_scan_builds_into_an_empty_cache(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.glob("*.so")] == [library.name]
 
 
+def test_compiled_scan_is_cached_per_kind_of_cpu(tmp_path, monkeypatch):
+    """Two CPUs with one model name ("AMD EPYC") but other vector widths get other
+    libraries: an -march=native build for AVX-512 would not run on the AVX2 machine."""
+    zen4 = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    zen4 += "flags\t\t: fpu sse2 avx2 avx512f\nprocessor\t: 1\ncpu family\t: 25\n"
+    zen3 = "cpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: sse2 avx avx2\n"
+    assert native.cpu_kind(zen4) == "family 25, model 17, AVX-512"
+    assert native.cpu_kind(zen3) == "family 25, model 1, AVX2"
+    assert native.cpu_kind("") == "not known"
+    monkeypatch.setenv("AAREN_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "cpu_model", lambda: "AMD EPYC")
+    paths = []
+    for text in (zen4, zen3, zen4):
+        monkeypatch.setattr(native, "_cpuinfo", lambda text=text: text)
+        paths.append(native._library_path("c++"))
+    assert paths[0] != paths[1] and paths[0] == paths[2]
+
+
 def test_compiled_backward_is_the_transpose_of_the_tangent():
     """The compiled backward pass against the transpose of the blocked kernel's tangent (XLA,
     by JAX), for every cotangent it takes: outputs, ``du / u``, the final state; with masks

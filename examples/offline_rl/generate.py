@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from aaren_jax.native import cpu_model  # noqa: E402
+from aaren_jax.native import cpu_kind, cpu_model  # noqa: E402
 from examples.common import CheckpointIO, setup_logging  # noqa: E402
 from examples.offline_rl import data as rl_data  # noqa: E402
 from examples.offline_rl import sac  # noqa: E402
@@ -165,31 +165,13 @@ class OtherDraw(ValueError):
     """This machine draws other data than the reference manifest records."""
 
 
-def _cpu_kind() -> str:
-    """The CPU's family, model number and vector width: a virtual machine's model name
-    ("AMD EPYC") is the same for kinds that draw different data."""
-    fields, flags = {}, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("cpu family", "model") and key not in fields:
-                fields[key] = value.strip()
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        return "not known"
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, {vector}"
-
-
 def _machine() -> dict:
     """What decides the draw besides the configuration: the CPU and the simulator."""
     import mujoco
 
     return {
         "cpu_model": cpu_model(),
-        "cpu_kind": _cpu_kind(),
+        "cpu_kind": cpu_kind(),
         "mujoco": mujoco.__version__,
         "jax": jax.__version__,
     }

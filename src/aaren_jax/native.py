@@ -49,15 +49,37 @@ FLAGS = (
 )
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` is often empty)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """The CPU's family, model number and vector width, e.g. ``"family 25, model 17,
+    AVX-512"``: a virtual machine's model name ("AMD EPYC") is the same for CPUs that differ
+    in both. ``cpuinfo``: the text of ``/proc/cpuinfo`` (default: this machine's)."""
+    fields, flags = {}, set()
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model") and key not in fields:
+            fields[key] = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    if not fields:
+        return "not known"
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, {vector}"
 
 
 def _cache_dir() -> Path:
@@ -66,8 +88,11 @@ def _cache_dir() -> Path:
 
 
 def _library_path(compiler: str) -> Path:
+    # -march=native: a library built for one kind of CPU may not run on another with the
+    # same model name (an AVX-512 build on an AVX2 machine), so the kind is in the key
     key = "\n".join(
-        [SOURCE.read_text(), compiler, *FLAGS, jax.__version__, platform.machine(), cpu_model()]
+        [SOURCE.read_text(), compiler, *FLAGS, jax.__version__, platform.machine()]
+        + [cpu_model(), cpu_kind()]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return _cache_dir() / f"prefix_scan-{digest}.so"
