@@ -55,8 +55,8 @@ NEEDS_DATA = {"forecasting.ipynb": Path("ETT") / "ETTh1.csv"}
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_notebook_runs(name, kernel_name):
-    if name in NEEDS_DATA and not (default_data_root() / NEEDS_DATA[name]).exists():
-        pytest.skip(f"{name} reads ../shared/data/{NEEDS_DATA[name]}, which is absent")
+    if name in NEEDS_DATA and not (data_file := default_data_root() / NEEDS_DATA[name]).exists():
+        pytest.skip(f"{name} reads {data_file}, which is absent")
     path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:  # committed outputs are not evidence: run from scratch
