@@ -185,11 +185,14 @@ def test_sac_update(generated):
     assert a.shape == (b, 3) and np.all(np.abs(np.asarray(a)) <= 1)
 
 
-@pytest.mark.parametrize("backbone", ["transformer", "aaren"])
-def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
+@pytest.mark.parametrize(
+    "backbone, rsa", [("transformer", False), ("aaren", False), ("transformer", True)]
+)
+def test_train_step_and_online_evaluation(generated, backbone, rsa, tmp_path):
     root, _, entry = generated
     cfg = configs.tiny_config("hopper", "medium", backbone)
     cfg.data.data_root = str(root)
+    cfg.model = dataclasses.replace(cfg.model, rsa=rsa)
     records = train.train_and_evaluate(cfg, str(tmp_path / backbone))
     modes = ["window", "stream"] if backbone == "aaren" else ["window"]
     assert [(r["eval"], r["target"]) for r in records] == [
@@ -200,7 +203,7 @@ def test_train_step_and_online_evaluation(generated, backbone, tmp_path):
         expected = configs.TARGET_RETURNS["hopper"][0] if r["target"] == "corl" else best
         assert r["target_return"] == pytest.approx(expected)
         assert r["model"] == backbone and r["env"] == "hopper" and r["dataset"] == "medium"
-        assert r["train_steps"] == 2 and r["finished"]
+        assert r["train_steps"] == 2 and r["finished"] and r.get("rsa", False) == rsa
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
         assert r["cpu_model"] == cpu_model() and r["jax"] == jax.__version__
         assert r["device"] == jax.devices()[0].device_kind
@@ -238,10 +241,14 @@ def test_a_kept_run_is_evaluated_again_without_training(generated, tmp_path, mon
     assert "trained again" in caplog.text and retrained[0]["eval_episodes"] == 2
 
 
-@pytest.mark.parametrize("fold_return", [False, True])
-def test_aaren_stream_equals_parallel(fold_return):
-    cfg = dataclasses.replace(configs.tiny_config(backbone="aaren").model, fold_return=fold_return)
+@pytest.mark.parametrize("fold_return, rsa", [(False, False), (True, False), (False, True)])
+def test_aaren_stream_equals_parallel(fold_return, rsa):
+    cfg = dataclasses.replace(
+        configs.tiny_config(backbone="aaren").model, fold_return=fold_return, rsa=rsa
+    )
     m = model.DecisionModel(cfg, 5, 2, rngs=nnx.Rngs(0))
+    # RSA: every block's attention carries the REM gate; CORL's: none does
+    assert all((b.attention.rsa is not None) == rsa for b in m.backbone.blocks)
     m.eval()
     t_len, rng = 7, np.random.default_rng(0)
     states = jnp.asarray(rng.normal(size=(2, t_len, 5)), jnp.float32)
@@ -511,6 +518,7 @@ def test_sweep_refuses_a_results_file_of_another_kind_of_run(tmp_path):
     for option, name in [
         (["--context", "60"], "context"),
         (["--fold-return"], "fold_return"),
+        (["--rsa"], "rsa"),
         (["--eval-episodes", "100"], "eval_episodes"),
     ]:
         with pytest.raises(SystemExit, match=name):

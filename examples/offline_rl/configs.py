@@ -14,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 from examples.common import LoopConfig, OptimConfig
+from examples.common.paths import ensure_importable
 from examples.common.runs import OMIT_DEFAULT
 from examples.offline_rl.sac import SACConfig
+
+ensure_importable()
+import aaren_jax as aj  # noqa: E402
 
 ENV_IDS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
 DATASETS = ("medium", "medium-replay", "medium-expert")
@@ -57,9 +61,17 @@ class ModelConfig:
     # to the state token (2K tokens: state + return, action), so the state token's residual
     # carries it rather than attention alone
     fold_return: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
+    # False (CORL): softmax heads only; True: every head is an RSA head (Huang et al. 2023)
+    # with a regular REM, a learned decay lambda^lag of the tokens before it gated into its
+    # softmax (``rem_config``); streamed by Aaren as a recurrence, still O(1) per token
+    rsa: bool = dataclasses.field(default=False, metadata=OMIT_DEFAULT)
     episode_len: int = 1000  # timestep embedding covers episode_len + seq_len positions
     dropout: float = 0.1  # embedding, attention and residual dropout
     max_action: float = 1.0  # actions = max_action * tanh(head)
+
+    def rem_config(self) -> aj.REMConfig | None:
+        """The REM heads of ``rsa``: one regular REM per head (RSA's defaults), else None."""
+        return aj.REMConfig((self.num_heads, 0, 0, 0, 0, 0)) if self.rsa else None
 
     @property
     def token_kinds(self) -> tuple[str, ...]:

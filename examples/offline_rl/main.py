@@ -43,6 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="add the return-to-go token to the state token (CORL: a token of its own)",
     )
+    p.add_argument(
+        "--rsa",
+        action="store_true",
+        help="RSA heads: a learned regular REM gated into every head (CORL: softmax only)",
+    )
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument("--target-return", type=float, default=None)
     p.add_argument("--no-stream", action="store_true", help="skip Aaren's streamed evaluation")
@@ -58,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
     if args.heads is not None:
         cfg.model.num_heads = args.heads
     cfg.model.fold_return = args.fold_return
+    cfg.model.rsa = args.rsa
     cfg.loop.max_steps = args.max_steps
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes
@@ -68,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
 
 
 def study_name(cfg: configs.Config) -> str:
-    """``<env>-<dataset>-<model>-<seed>-<updates>[-k<K>][-h<heads>][-fold]``: the folder of a
+    """``<env>-<dataset>-<model>-<seed>-<updates>[-k<K>][-h<heads>][-fold][-rsa]``: the folder of a
     run that keeps its checkpoints for a study (``drift.py``, ``conditioning.py``); the
     suffixes name what differs from CORL's context, heads and tokens."""
     steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
@@ -80,6 +86,8 @@ def study_name(cfg: configs.Config) -> str:
         name += f"-h{m.num_heads}"
     if m.fold_return:
         name += "-fold"
+    if m.rsa:
+        name += "-rsa"
     return name
 
 

@@ -9,7 +9,8 @@ equal. As CORL:
   (with ``fold_return``, not CORL's: two, the state token plus the return token, so the
   state token's residual carries the return it is conditioned on);
 * LayerNorm and dropout on the token sequence, the pre-norm stack (MLP width 4d, GELU,
-  dropout 0.1, a final LayerNorm), then ``a_t = max_action * tanh(W h)`` read at the state
+  dropout 0.1, a final LayerNorm; with ``rsa``, not CORL's, RSA heads: a learned regular
+  REM gated into each softmax head), then ``a_t = max_action * tanh(W h)`` read at the state
   token of step ``t``;
 * loss: the squared error of the actions, masked outside the episode and averaged over every
   entry (padding included, as CORL's ``(loss * mask).mean()``).
@@ -60,13 +61,14 @@ class DecisionModel(nnx.Module):
         self.emb_norm = nnx.LayerNorm(d, rngs=rngs)
         self.emb_drop = nnx.Dropout(config.dropout, rngs=rngs)
         self.backbone = make_backbone(
-            config.backbone,
+            ("rsa_" if config.rsa else "") + config.backbone,
             config.num_layers,
             d,
             config.num_heads,
             4 * d,
             dropout=config.dropout,
             norm="pre",
+            rsa=config.rem_config(),
             rngs=rngs,
         )
         self.action_head = lin(d, action_dim)

@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="return-to-go token added to the state token (main.py's option); own --results",
     )
+    p.add_argument("--rsa", action="store_true", help="RSA heads (main.py's option); own --results")
     p.add_argument("--eval-episodes", type=int, default=None)
     p.add_argument(
         "--keep-checkpoints",
@@ -85,6 +86,7 @@ def run_config(args, env: str, ds: str, model: str, seed: int) -> configs.Config
     cfg.data.data_root = args.data_root
     configs.set_run_length(cfg, args.steps, args.context)
     cfg.model.fold_return = args.fold_return
+    cfg.model.rsa = args.rsa
     if args.eval_episodes is not None:
         cfg.eval.eval_episodes = args.eval_episodes
     cfg.loop.progress = not args.no_progress
@@ -148,6 +150,7 @@ def main(argv=None) -> None:
     kind = (
         cfg.model.seq_len,
         cfg.model.fold_return,
+        cfg.model.rsa,
         cfg.loop.max_epochs * cfg.loop.steps_per_epoch,
         cfg.eval.eval_episodes,
     )
@@ -155,6 +158,7 @@ def main(argv=None) -> None:
         (
             r.get("context_steps", configs.ModelConfig.seq_len),
             r.get("fold_return", False),
+            r.get("rsa", False),
             r["train_steps"],
             r["eval_episodes"],
         )
@@ -162,7 +166,7 @@ def main(argv=None) -> None:
     }
     if kinds - {kind}:
         raise SystemExit(
-            f"error: {results} holds runs with (context, fold_return, train_steps, "
+            f"error: {results} holds runs with (context, fold_return, rsa, train_steps, "
             f"eval_episodes) {sorted(kinds)}; give --results another file for {kind}"
         )
     if args.workers > 1 and not args.dry_run:  # checked once here, not in every worker

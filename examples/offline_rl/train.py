@@ -249,6 +249,7 @@ def train_and_evaluate(
                     **provenance,
                     "context_steps": config.model.seq_len,
                     **({"fold_return": True} if config.model.fold_return else {}),
+                    **({"rsa": True} if config.model.rsa else {}),
                     "train_steps": result.step,
                     "finished": bool(result.done),
                     "fit_mse": result.history[-1]["val_mse"] if result.history else None,
