@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -515,13 +516,14 @@ def test_sweep_refuses_a_results_file_of_another_kind_of_run(tmp_path):
     args = ["--results", str(results), "--dry-run", "--steps", "2000"]
     sweep.main([*args, "--envs", "hopper", "--seeds", "0"])
     sweep.main([*args, "--eval-episodes", "10", "--context", "20"])  # the defaults, given
-    for option, name in [
-        (["--context", "60"], "context"),
-        (["--fold-return"], "fold_return"),
-        (["--rsa"], "rsa"),
-        (["--eval-episodes", "100"], "eval_episodes"),
+    # the refusal names the kind asked for: (context, fold_return, rsa, steps, episodes)
+    for option, kind in [
+        (["--context", "60"], "(60, False, False, 2000, 10)"),
+        (["--fold-return"], "(20, True, False, 2000, 10)"),
+        (["--rsa"], "(20, False, True, 2000, 10)"),
+        (["--eval-episodes", "100"], "(20, False, False, 2000, 100)"),
     ]:
-        with pytest.raises(SystemExit, match=name):
+        with pytest.raises(SystemExit, match=re.escape(f"another file for {kind}")):
             sweep.main([*args, *option])
     with pytest.raises(SystemExit, match="train_steps"):
         sweep.main(["--results", str(results), "--dry-run", "--steps", "5000"])

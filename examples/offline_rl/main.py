@@ -76,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> configs.Config:
 def study_name(cfg: configs.Config) -> str:
     """``<env>-<dataset>-<model>-<seed>-<updates>[-k<K>][-h<heads>][-fold][-rsa]``: the folder of a
     run that keeps its checkpoints for a study (``drift.py``, ``conditioning.py``); the
-    suffixes name what differs from CORL's context, heads and tokens."""
+    suffixes name what differs from CORL's context, heads, tokens and attention."""
     steps = cfg.loop.max_epochs * cfg.loop.steps_per_epoch
     d, m = cfg.data, cfg.model
     name = f"{d.env}-{d.dataset}-{m.backbone}-{cfg.loop.seed}-{steps}"
