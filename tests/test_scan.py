@@ -306,7 +306,8 @@ def test_float64_inputs_keep_float64_state():
         values = jnp.asarray(rng.normal(size=(2, 9, 3)), jnp.float64)
         mask = jnp.ones((2, 9), bool)
         for method in METHODS:
-            out, final = aj.prefix_attention(scores, values, mask, method=method, chunk_size=4)
+            run = jax.jit(functools.partial(aj.prefix_attention, method=method, chunk_size=4))
+            out, final = run(scores, values, mask)
             assert out.dtype == final.u.dtype == jnp.float64
             np.testing.assert_allclose(out, brute_force(scores, values, mask), atol=1e-12)
 
@@ -446,13 +447,13 @@ def test_blocked_derivatives_with_an_initial_state_and_garbage_at_masked_tokens(
     )
     tangents = tuple(jnp.ones_like(a) for a in args)
     for mode in (jax.grad, jax.jacfwd):
-        got = mode(f(kernel), argnums=(0, 1, 2, 3))(*args)
-        want = mode(f("sequential"), argnums=(0, 1, 2, 3))(*args)
+        got = jax.jit(mode(f(kernel), argnums=(0, 1, 2, 3)))(*args)
+        want = jax.jit(mode(f("sequential"), argnums=(0, 1, 2, 3)))(*args)
         for g, w in zip(got, want, strict=True):
             assert np.all(np.isfinite(g))
             np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
-    got = jax.jvp(f(kernel), args, tangents)[1]
-    np.testing.assert_allclose(got, jax.jvp(f("sequential"), args, tangents)[1], rtol=2e-5)
+    jvp = jax.jit(lambda method: jax.jvp(f(method), args, tangents)[1], static_argnums=0)
+    np.testing.assert_allclose(jvp(kernel), jvp("sequential"), rtol=2e-5)
 
 
 # ----------------------------------------------------------------------------------------
@@ -587,7 +588,9 @@ def test_compensated_initial_state_is_continued_by_every_method(method):
     v1, v2 = (jnp.asarray(rng.normal(size=(2, n, 3)), jnp.float32) for n in (5, 70))
     _, state = aj.prefix_attention(s1, v1, initial_state=aj.init_state((2,), 3, compensated=True))
     assert state.compensated
-    out, final = aj.prefix_attention(s2, v2, initial_state=state, method=method)
+    # jitted: op by op, the associative scan's many small shapes each compile on their own
+    run = jax.jit(functools.partial(aj.prefix_attention, method=method))
+    out, final = run(s2, v2, initial_state=state)
     assert final.compensated
     expected = brute_force(
         s2, v2, np.ones(s2.shape, bool), initial=(np.asarray(s1), np.asarray(v1))

@@ -8,6 +8,7 @@ Shape notation: ``...`` leading axes, ``H`` heads, ``T`` time, ``D`` value size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -194,6 +195,9 @@ def rem_step(
     return REMState(ring, phase.astype(state.phase.dtype)), out.astype(value.dtype)
 
 
+# Jitted: op by op, lax.associative_scan dispatches (and compiles) dozens of small slices,
+# seconds for one eager call; compiled once, milliseconds. Under an outer jit it is inlined.
+@functools.partial(jax.jit, static_argnames="axis")
 def _linear_scan(a: Array, b: Array, axis: int) -> Array:
     """All prefixes of ``h_t = a_t h_{t-1} + b_t`` (``h_{-1} = 0``) by associative scan."""
 

@@ -368,6 +368,9 @@ def _last(states: AttentionState) -> AttentionState:
 # initial state [...] to the state after every prefix, [..., T] / [..., T, D].
 
 
+# Jitted: op by op, lax.associative_scan dispatches (and compiles) dozens of small slices,
+# seconds for one eager call; compiled once, milliseconds. Under an outer jit it is inlined.
+@jax.jit
 def _prefix_states_associative(leaves: AttentionState, init: AttentionState) -> AttentionState:
     time_axis = leaves.m.ndim - 1  # T sits at the same axis in m, u [..., T] and w [..., T, D]
     states = jax.lax.associative_scan(combine, leaves, axis=time_axis)
@@ -383,6 +386,7 @@ def _prefix_states_sequential(leaves: AttentionState, init: AttentionState) -> A
     return _time_minor(states)
 
 
+@functools.partial(jax.jit, static_argnames="chunk_size")  # as _prefix_states_associative
 def _prefix_states_chunked(
     leaves: AttentionState, init: AttentionState, chunk_size: int
 ) -> AttentionState:
