@@ -102,7 +102,7 @@ def test_bidirectional_stack_is_permutation_equivariant_and_cannot_stream(model)
     perm = np.array([3, 0, 5, 1, 4, 2])
     y = np.asarray(net(x))
     np.testing.assert_allclose(np.asarray(net(x[:, perm])), y[:, perm], atol=2e-5, rtol=1e-5)
-    grads = jax.grad(lambda x: net(x).sum())(x)
+    grads = jax.jit(jax.grad(lambda x: net(x).sum()))(x)
     assert np.all(np.isfinite(grads))
     with pytest.raises(ValueError, match="causal=False"):
         net(x, return_carry=True)
@@ -160,5 +160,5 @@ def test_rsa_transformer_matches_float64_equations():
     np.testing.assert_array_equal(got[1, :3], np.broadcast_to(bias, (3, 20)))
 
     # Valid outputs get exactly zero gradient from padded tokens (softmax and REM paths).
-    grad = jax.grad(lambda x: (layer(x, mask=mask) * mask[..., None]).sum())(x)
+    grad = jax.jit(jax.grad(lambda x: (layer(x, mask=mask) * mask[..., None]).sum()))(x)
     assert np.all(np.asarray(grad)[~mask] == 0) and np.all(np.isfinite(grad))
