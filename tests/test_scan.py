@@ -588,7 +588,7 @@ def test_compensated_initial_state_is_continued_by_every_method(method):
     v1, v2 = (jnp.asarray(rng.normal(size=(2, n, 3)), jnp.float32) for n in (5, 70))
     _, state = aj.prefix_attention(s1, v1, initial_state=aj.init_state((2,), 3, compensated=True))
     assert state.compensated
-    # jitted: op by op, the associative scan's many small shapes each compile on their own
+    # jitted: one compilation for the whole call, not one per operation
     run = jax.jit(functools.partial(aj.prefix_attention, method=method))
     out, final = run(s2, v2, initial_state=state)
     assert final.compensated
