@@ -5,7 +5,7 @@
 
 Op by op, ``lax.associative_scan`` dispatches dozens of small slices, each compiled on its
 first use; the library jits its scans (``scan._prefix_states_associative``,
-``scan._prefix_states_chunked``, ``rem_recurrence._linear_scan``) so that an eager call
+``scan._prefix_states_chunked``, ``rem_recurrence._rem_scan``) so that an eager call
 compiles one program instead. Each case runs in a fresh process (a first call is what is
 measured) as shipped, ``jitted``, and with those three helpers swapped for their unjitted
 functions, ``op_by_op``; the two alternate round by round. Cases:
@@ -46,7 +46,7 @@ def run_case(case: str, variant: str) -> float:
         for module, name in (
             (scan, "_prefix_states_associative"),
             (scan, "_prefix_states_chunked"),
-            (rem_recurrence, "_linear_scan"),
+            (rem_recurrence, "_rem_scan"),
         ):
             setattr(module, name, getattr(module, name).__wrapped__)
     key = jax.random.key(0)

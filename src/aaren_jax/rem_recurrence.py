@@ -195,9 +195,6 @@ def rem_step(
     return REMState(ring, phase.astype(state.phase.dtype)), out.astype(value.dtype)
 
 
-# Jitted: op by op, lax.associative_scan dispatches (and compiles) dozens of small slices,
-# seconds for one eager call; compiled once, milliseconds. Under an outer jit it is inlined.
-@functools.partial(jax.jit, static_argnames="axis")
 def _linear_scan(a: Array, b: Array, axis: int) -> Array:
     """All prefixes of ``h_t = a_t h_{t-1} + b_t`` (``h_{-1} = 0``) by associative scan."""
 
@@ -336,15 +333,26 @@ def rem_apply(
         initial_state = init_rem_state(config, batch_shape, dim, accumulation_dtype(values.dtype))
     _check_state(name, config, initial_state, batch_shape, dim)
     acc = accumulation_dtype(values.dtype, initial_state.ring.dtype)
-    a_re, a_im = _head_coefficients(config, params, acc, name)
+    params = dict(zip(("eta", "nu", "theta"), config_params(name, config, params, acc)))
     if num_tokens == 0:
         return jnp.zeros(values.shape, values.dtype), initial_state
-
     if num_tokens == 1:  # a streaming step: one update of the ring, no scan
         final, out = rem_step(
             config, params, initial_state, values[..., 0, :], None if mask is None else mask[..., 0]
         )
         return out[..., None, :], final
+    return _rem_scan(config, params, values, mask, initial_state, method)
+
+
+# Jitted: op by op, an eager call (a notebook) compiles each of its dozens of small ops (the
+# associative scan's slices most), seconds; compiled once, milliseconds. Under an outer jit
+# it is traced into the caller's program as before.
+@functools.partial(jax.jit, static_argnames=("config", "method"))
+def _rem_scan(config, params, values, mask, initial_state, method):
+    """``rem_apply`` on validated inputs of ``T >= 2`` tokens."""
+    num_tokens = values.shape[-2]
+    acc = accumulation_dtype(values.dtype, initial_state.ring.dtype)
+    a_re, a_im = _head_coefficients(config, params, acc, "rem_apply")
     if method == "sequential":
         xs = (jnp.moveaxis(values, -2, 0), None if mask is None else jnp.moveaxis(mask, -1, 0))
 
