@@ -333,7 +333,9 @@ def rem_apply(
         initial_state = init_rem_state(config, batch_shape, dim, accumulation_dtype(values.dtype))
     _check_state(name, config, initial_state, batch_shape, dim)
     acc = accumulation_dtype(values.dtype, initial_state.ring.dtype)
-    params = dict(zip(("eta", "nu", "theta"), config_params(name, config, params, acc)))
+    params = dict(
+        zip(("eta", "nu", "theta"), config_params(name, config, params, acc), strict=True)
+    )
     if num_tokens == 0:
         return jnp.zeros(values.shape, values.dtype), initial_state
     if num_tokens == 1:  # a streaming step: one update of the ring, no scan
