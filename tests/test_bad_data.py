@@ -124,6 +124,7 @@ def test_bad_constructor_arguments_raise_at_construction():
         make("transformer").init_carry(B, max_len=2.5)
 
 
+@pytest.mark.slow
 def test_hessian_with_default_arguments_matches_sequential():
     # on CPU "auto" resolves to the compiled scan: its custom JVP, its compiled backward pass
     # and, for the second order, that pass's derivatives in XLA

@@ -213,6 +213,7 @@ def test_tangent_blocks_benchmark_traces_each_size_and_the_same_gradient(monkeyp
         assert f"f32[2,{-(-40 // size)},{size},{size}]" in jaxpr
 
 
+@pytest.mark.slow
 def test_decision_step_benchmark_times_every_policy_and_the_environment(tmp_path):
     pytest.importorskip("gymnasium")
     pytest.importorskip("mujoco")

@@ -192,6 +192,7 @@ def _format_sets(fmt, tmp_path):
 
 
 @pytest.mark.parametrize("backbone", ["aaren", "transformer"])
+@pytest.mark.slow
 def test_one_training_step_per_format(backbone, tmp_path):
     base = configs.tiny_config("hawkes", backbone)
     # the ifl-tpp format (Wikipedia's) with Wikipedia's model settings: copy head, clamp at 0
@@ -221,6 +222,7 @@ def test_one_training_step_per_format(backbone, tmp_path):
         assert any(jax.tree.leaves(moved)), fmt
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_resumes_exactly(tmp_path):
     """A run stopped after one step and resumed ends where an uninterrupted run ends."""
     cfg = configs.tiny_config("hawkes", "aaren")

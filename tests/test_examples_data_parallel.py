@@ -99,6 +99,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_one_step_on_four_devices_equals_one_device():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
+
 from aaren_jax import __main__ as main_job
 
 ARGS = ["--length", "12", "--batch", "2", "--heads", "2"]
 
 
+@pytest.mark.slow
 def test_main_job_passes_and_reports(capsys):
     assert main_job.main([*ARGS, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -54,6 +54,7 @@ NEEDS_DATA = {"forecasting.ipynb": Path("ETT") / "ETTh1.csv"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.slow
 def test_notebook_runs(name, kernel_name):
     if name in NEEDS_DATA and not (data_file := default_data_root() / NEEDS_DATA[name]).exists():
         pytest.skip(f"{name} reads {data_file}, which is absent")

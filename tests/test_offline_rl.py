@@ -33,7 +33,9 @@ from examples.offline_rl import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module")
+# session scope: the slow tests run first (conftest.py), so this module's tests are not
+# contiguous, and a module fixture would generate the data twice
+@pytest.fixture(scope="session")
 def generated(tmp_path_factory):
     """A tiny Hopper generation: SAC for 400 steps, datasets of ~300 transitions."""
     root = tmp_path_factory.mktemp("minari")
@@ -189,6 +191,7 @@ def test_sac_update(generated):
 @pytest.mark.parametrize(
     "backbone, rsa", [("transformer", False), ("aaren", False), ("transformer", True)]
 )
+@pytest.mark.slow
 def test_train_step_and_online_evaluation(generated, backbone, rsa, tmp_path):
     root, _, entry = generated
     cfg = configs.tiny_config("hopper", "medium", backbone)
@@ -273,6 +276,7 @@ def test_aaren_stream_equals_parallel(fold_return, rsa):
     assert np.all(moved[:3] < 1e-6) and moved[3] > 1e-4  # earlier steps: round-off only
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_parameters(generated, tmp_path):
     root, _, _ = generated
     cfg = configs.tiny_config("hopper", "medium-replay", "transformer")
@@ -476,6 +480,7 @@ def test_drift_by_timestep_counts_only_steps_inside_the_episodes():
     assert longer[0]["rms_diff"] > 0  # steps 25-29 of episode 0 differ
 
 
+@pytest.mark.slow
 def test_drift_script_stream_equals_window_while_the_window_holds_the_episode(generated, tmp_path):
     root, _, _ = generated
     out = tmp_path / "drift.json"
@@ -582,6 +587,7 @@ def test_conditioning_weights_rebuild_the_layer_output(backbone):
 
 
 @pytest.mark.parametrize("fold_return", [False, True])
+@pytest.mark.slow
 def test_conditioning_script_records_every_target(generated, tmp_path, fold_return):
     root, _, _ = generated
     out = tmp_path / "conditioning.json"

@@ -200,6 +200,7 @@ def test_unknown_positional_is_rejected():
         )
 
 
+@pytest.mark.slow
 def test_analysis_profiles_errors_and_reads_the_rems(tiny_data):
     from examples.regular_languages import analyze
 

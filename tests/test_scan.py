@@ -407,6 +407,7 @@ def test_final_state_and_initial_state_gradients(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.slow
 def test_check_grads_second_order(method):
     rng = np.random.default_rng(10)
     mask = jnp.asarray([True, False, True, True, True, False, True])
