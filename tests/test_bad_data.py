@@ -43,15 +43,21 @@ def test_nan_query_parameter_makes_every_output_nan():
     assert np.all(np.isnan(np.asarray(y_t)))
 
 
-def _loss_and_grads(model, x, mask):
+def _loss_and_grads(model, mask):
+    """``x -> (loss, y, grads)``, compiled once for every ``x`` of one shape."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x):
         y = nnx.merge(graphdef, params, rest)(x, mask)
         return jnp.sum(jnp.where(mask[..., None], jnp.sin(y), 0.0)), y
 
-    (value, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
-    return value, y, grads
+    value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+    def run(x):
+        (value, y), grads = value_and_grad(params, x)
+        return value, y, grads
+
+    return run
 
 
 CASES = [("aaren", m) for m in ("auto", "blocked", "associative", "sequential", "chunked")]
@@ -69,8 +75,9 @@ def test_garbage_at_masked_tokens_changes_no_valid_output_and_no_gradient(kind, 
     clean = jnp.where(mask[..., None], x, 0.0)
     garbage = jnp.asarray(np.array([np.nan, np.inf, -np.inf, 1e30])[np.arange(T) % 4])
     dirty = jnp.where(mask[..., None], x, garbage[None, :, None])
-    loss_clean, y_clean, g_clean = _loss_and_grads(model, clean, jnp.asarray(mask))
-    loss_dirty, y_dirty, g_dirty = _loss_and_grads(model, dirty, jnp.asarray(mask))
+    run = _loss_and_grads(model, jnp.asarray(mask))
+    loss_clean, y_clean, g_clean = run(clean)
+    loss_dirty, y_dirty, g_dirty = run(dirty)
     np.testing.assert_array_equal(np.asarray(y_dirty)[mask], np.asarray(y_clean)[mask])
     assert float(loss_dirty) == float(loss_clean)
     chex.assert_trees_all_equal(g_dirty, g_clean)
