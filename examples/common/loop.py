@@ -297,6 +297,13 @@ def fit(
         )
 
     params, opt_state, best_params, rest = replicate((params, opt_state, best_params, rest), mesh)
+    if mesh is None:
+        # Orbax restores committed arrays and a fresh model's are not: commit both alike, so
+        # a fresh and a resumed run in one process share one compiled train and eval step
+        device = next(iter(jax.tree.leaves(params)[0].devices()))
+        params, opt_state, best_params, rest = jax.device_put(
+            (params, opt_state, best_params, rest), device
+        )
 
     # --- training ---------------------------------------------------------------------------
     stop_at = total_steps if loop.max_steps is None else min(total_steps, loop.max_steps)
