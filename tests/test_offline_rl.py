@@ -18,7 +18,7 @@ pytest.importorskip("mujoco")
 from flax import nnx  # noqa: E402
 
 from aaren_jax.native import cpu_model  # noqa: E402
-from examples.common import default_run_dir  # noqa: E402
+from examples.common import default_run_dir, loop  # noqa: E402
 from examples.offline_rl import (  # noqa: E402
     conditioning,
     configs,
@@ -285,6 +285,7 @@ def test_resume_gives_the_same_parameters(generated, tmp_path):
     cfg.loop = dataclasses.replace(cfg.loop, steps_per_epoch=2, max_epochs=2, checkpoint_every=9)
     traj = train.load_data(cfg)
     straight = train.fit_model(cfg, traj, None)
+    compiled_steps = loop._train_step._cache_size()
     cut = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, max_steps=1))
     first = train.fit_model(cut, traj, str(tmp_path))
     assert first.step == 1 and not first.done
@@ -292,6 +293,8 @@ def test_resume_gives_the_same_parameters(generated, tmp_path):
     assert resumed.step == 4 and resumed.done
     # bitwise: on one machine a run cut anywhere and resumed is the run made straight
     jax.tree.map(np.testing.assert_array_equal, straight.params, resumed.params)
+    # and with the same compiled step: the restored (committed) state compiles nothing new
+    assert loop._train_step._cache_size() == compiled_steps
 
 
 def test_generation_against_a_reference_stops_at_the_first_other_snapshot(
