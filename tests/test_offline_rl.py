@@ -638,3 +638,16 @@ def test_conditioning_summary_averages_seeds_and_counts_a_rerun_once():
     assert rows == ["| corl | 15.0 ± 5.0 | - | 0.100 ± 0.000 | 0.25 ± 0.05 |",
                     "| corl | 5.0 | - | 0.100 | - |"]  # fmt: skip
     assert "return folded into the state token, 10 episodes, seeds [0]" in text
+
+
+def test_report_names_a_file_that_holds_no_sweep_records(tmp_path):
+    drift = {"env": "hopper", "dataset": "medium", "seed": 0, "command": "python drift.py"}
+    path = tmp_path / "drift.json"
+    path.write_text(json.dumps([drift]))
+    lacks = "record 0 lacks model, score, score_std, ms_per_env_step, made by: python drift.py"
+    with pytest.raises(ValueError, match=f"drift.json holds no sweep records: {lacks}"):
+        report.main([str(path)])
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"hopper": {}}))
+    with pytest.raises(ValueError, match="read with --manifest"):
+        report.main([str(manifest)])

@@ -299,6 +299,28 @@ def data_table(manifest: dict) -> str:
     return "\n\n".join(out)
 
 
+SWEEP_FIELDS = ("env", "dataset", "model", "seed", "score", "score_std", "ms_per_env_step")
+
+
+def sweep_records(path: str) -> list[dict]:
+    """The records of a sweep's results file, or a ValueError naming the file, the first
+    record lacking a field the tables read, and the command that made it (the drift and
+    conditioning studies write records of their own, with their own command)."""
+    try:
+        records = load_records(path)
+    except ValueError as e:  # e.g. generate.py's manifest, which --manifest reads
+        raise ValueError(f"{e}; a generator's manifest.json is read with --manifest") from None
+    for i, r in enumerate(records):
+        missing = [f for f in SWEEP_FIELDS if f not in r]
+        if missing:
+            made_by = f", made by: {r['command']}" if "command" in r else ""
+            raise ValueError(
+                f"{path} holds no sweep records: record {i} lacks {', '.join(missing)}"
+                f"{made_by} (report.py reads sweep.py's records)"
+            )
+    return records
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("results", nargs="?", default="results/offline_rl.json")
@@ -315,11 +337,11 @@ def main(argv=None) -> None:
     if args.manifest:
         print(data_table(json.loads(Path(args.manifest).read_text())))  # the command's output
         return
-    records = load_records(args.results)
+    records = sweep_records(args.results)
     if args.seeds is not None:
         records = [r for r in records if r["seed"] in args.seeds]
     if args.against:
-        print(comparison_table(records, load_records(args.against), args.target))
+        print(comparison_table(records, sweep_records(args.against), args.target))
         return
     if args.per_seed:
         print(per_seed_table(records))  # the table is the command's output
