@@ -651,3 +651,31 @@ def test_report_names_a_file_that_holds_no_sweep_records(tmp_path):
     manifest.write_text(json.dumps({"hopper": {}}))
     with pytest.raises(ValueError, match="read with --manifest"):
         report.main([str(manifest)])
+
+
+def test_report_summary_counts_each_files_cells_at_both_targets(tmp_path, capsys):
+    def record(env, model, mode, seed, score, target="corl"):
+        return {"env": env, "dataset": "medium", "model": model, "seed": seed, "eval": mode,
+                "target": target, "score": score, "score_std": 0.5, "ms_per_env_step": 1.0,
+                "context_steps": 20, "train_steps": 2000, "eval_episodes": 10}  # fmt: skip
+
+    # hopper: Aaren's window level with the Transformer, its stream far below; walker2d:
+    # both of Aaren's above at CORL's target, both far below at the data's best return.
+    scores = {("hopper", "transformer", "window"): lambda seed, shift: 20.0 + seed,
+              ("hopper", "aaren", "window"): lambda seed, shift: 20.5 + seed,
+              ("hopper", "aaren", "stream"): lambda seed, shift: 5.0 + seed,
+              ("walker2d", "transformer", "window"): lambda seed, shift: 10.0 + shift,
+              ("walker2d", "aaren", "window"): lambda seed, shift: 11.0 - 3 * shift,
+              ("walker2d", "aaren", "stream"): lambda seed, shift: 12.0 - 3 * shift}  # fmt: skip
+    records = [
+        record(env, model, mode, seed, score(seed, shift), target)
+        for (env, model, mode), score in scores.items()
+        for seed in (0, 1, 2)
+        for target, shift in (("corl", 0.0), ("data_best", 5.0))
+    ]
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(records))
+    report.main(["--summary", str(path)])
+    row = capsys.readouterr().out.splitlines()[-1].split(" | ")
+    assert row[1:] == ["K 20, updates 2000, episodes 10, softmax", "12", "2 of 2 / 1 of 2",
+                       "1 of 2 / 0 of 2", "none / hopper medium |"]  # fmt: skip

@@ -16,7 +16,8 @@ generated data instead (the generator's ``manifest.json``): per environment the 
 policies' returns and the datasets' sizes and mean returns, D4RL-normalised and
 own-normalised. ``--against BASELINE``: the records' seeds paired with the same runs in
 another results file (e.g. the K = 60 grid against K = 20), per dataset: how many pairs
-score higher, and both means.
+score higher, and both means. ``--summary FILE ...``: one row per results file, its
+settings and the cells that meet the target at both targets (the README's map of the grids).
 """
 
 from __future__ import annotations
@@ -163,6 +164,49 @@ def per_seed_table(records: list[dict]) -> str:
                 name = "CORL" if target == "corl" else "data best"
                 lines.append(f"| {env} {ds} | {name} | {cells} | {judged} |")
     return "\n".join(lines + ["", fit_table(records, seeds)])
+
+
+def _settings(records: list[dict]) -> str:
+    """The training settings the records share (or the values they span)."""
+    parts = []
+    for field, name in (("context_steps", "K"), ("train_steps", "updates"),
+                        ("eval_episodes", "episodes")):  # fmt: skip
+        values = sorted({r[field] for r in records if r.get(field) is not None})
+        parts.append(f"{name} {', '.join(map(str, values)) or 'not recorded'}")
+    heads = sorted({"RSA" if r.get("rsa") else "softmax" for r in records})
+    return ", ".join([*parts, " and ".join(heads)])
+
+
+def summary_table(files: dict[str, list[dict]]) -> str:
+    """A Markdown table with one row per results file: its settings, runs, and the cells
+    meeting the target (window / stream) among those with 2 seeds or more per model, at
+    CORL's target and at the data's best return, then the cells not met at CORL's."""
+    lines = [
+        "| results | settings | runs | cells met at CORL's target (window / stream) "
+        "| at the data's best return | not met at CORL's (window / stream) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path, records in files.items():
+        runs = {(r["env"], r["dataset"], r["model"], r["seed"]) for r in records}
+        counts, missed = {}, {c: [] for c in COLUMNS[1:]}
+        for target in ("corl", "data_best"):
+            met = {c: [] for c in COLUMNS[1:]}
+            for env in ENV_IDS:
+                for ds in DATASETS:
+                    rows = [r for r in records if (r["env"], r["dataset"],
+                            r.get("target", "corl")) == (env, ds, target)]  # fmt: skip
+                    by = _by_column(rows)
+                    for c in COLUMNS[1:]:
+                        v = verdict(by[COLUMNS[0]], by[c])
+                        if v is not None:
+                            met[c].append(v)
+                        if v is False and target == "corl":
+                            missed[c].append(f"{env} {ds}")
+            counts[target] = " / ".join(f"{sum(m)} of {len(m)}" for m in met.values())
+        not_met = " / ".join(", ".join(m) or "none" for m in missed.values())
+        lines.append(f"| `{path}` | {_settings(records)} | {len(runs)} | {counts['corl']} "
+                     f"| {counts['data_best']} | {not_met} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def fit_table(records: list[dict], seeds: list[int]) -> str:
@@ -331,11 +375,16 @@ def main(argv=None) -> None:
     p.add_argument("--manifest", default=None, help="print the generated data's tables instead")
     p.add_argument("--against", default=None,
                    help="pair the seeds with this results file's instead")  # fmt: skip
+    p.add_argument("--summary", nargs="+", default=None, metavar="RESULTS",
+                   help="one row per results file: the cells that meet the target")  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="only these seeds (default: all recorded)")  # fmt: skip
     args = p.parse_args(argv)
     if args.manifest:
         print(data_table(json.loads(Path(args.manifest).read_text())))  # the command's output
+        return
+    if args.summary:
+        print(summary_table({path: sweep_records(path) for path in args.summary}))
         return
     records = sweep_records(args.results)
     if args.seeds is not None:
