@@ -679,3 +679,21 @@ def test_report_summary_counts_each_files_cells_at_both_targets(tmp_path, capsys
     row = capsys.readouterr().out.splitlines()[-1].split(" | ")
     assert row[1:] == ["K 20, updates 2000, episodes 10, softmax", "12", "2 of 2 / 1 of 2",
                        "1 of 2 / 0 of 2", "none / hopper medium |"]  # fmt: skip
+
+
+def test_a_small_dataset_trains_the_updates_asked_for(generated, monkeypatch, caplog):
+    root, _, _ = generated
+    cfg = configs.tiny_config("hopper", "medium", "aaren")
+    cfg.data.data_root = str(root)
+    traj = train.load_data(cfg)
+    windows = len(data.SequenceData(traj, cfg.model.seq_len, cfg.data.reward_scale))
+    # two batches per pass, epochs of three updates: fit caps an epoch at one pass, so the
+    # configured loop would train 2 updates; whole passes train 4, at least the 3 asked for
+    cfg.loop = dataclasses.replace(cfg.loop, batch_size=windows // 2, steps_per_epoch=3)
+    loops = []
+    monkeypatch.setattr(train, "fit", lambda *args, loop, **kwargs: loops.append(loop))
+    train.fit_model(cfg, traj, None)
+    assert loops == [dataclasses.replace(cfg.loop, max_epochs=2)]
+    assert "training 2 whole passes, 4 updates (asked for 3)" in caplog.text
+    big = dataclasses.replace(cfg.loop, batch_size=8)  # many batches per pass: as configured
+    assert train.whole_passes(dataclasses.replace(cfg, loop=big), windows) == big

@@ -144,6 +144,27 @@ def modes(config: Config) -> list[str]:
     return ["window", "stream"] if stream else ["window"]
 
 
+def whole_passes(config: Config, windows: int):
+    """The loop's settings for ``windows`` training windows: as configured, unless one pass
+    over them holds fewer batches than an epoch's ``steps_per_epoch``. ``fit`` caps an epoch
+    at one pass, so such a dataset would train fewer updates than asked for (e.g. 624 of
+    2,000); CORL trains a fixed number of updates whatever the data's size, so here the
+    epochs become whole passes, as many as reach the updates asked for (at most one pass
+    more: every record's ``train_steps`` says how many ran)."""
+    loop = config.loop
+    batches = windows // loop.batch_size
+    asked = loop.max_epochs * (loop.steps_per_epoch or batches)
+    if not loop.steps_per_epoch or batches >= loop.steps_per_epoch or batches == 0:
+        return loop  # (no batch at all: fit names the sizes)
+    passes = -(-asked // batches)
+    logging.warning(
+        "%d training windows make %d batches of %d per pass, fewer than an epoch's %d: "
+        "training %d whole passes, %d updates (asked for %d)",
+        windows, batches, loop.batch_size, loop.steps_per_epoch, passes, passes * batches, asked,
+    )  # fmt: skip
+    return dataclasses.replace(loop, max_epochs=passes)
+
+
 def fit_model(config: Config, traj: Trajectories, workdir: str | None):
     """``fit`` on the dataset's windows for ``max_epochs x steps_per_epoch`` updates, logging
     the action MSE on ``VAL_WINDOWS`` fixed windows; resumes from ``workdir``'s checkpoints.
@@ -161,7 +182,7 @@ def fit_model(config: Config, traj: Trajectories, workdir: str | None):
         val,
         monitor="mse",
         mode="min",
-        loop=config.loop,
+        loop=whole_passes(config, len(train)),
         optim=config.optim,
         workdir=workdir,
         tokens_per_example=len(config.model.token_kinds) * k,
