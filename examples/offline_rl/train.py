@@ -153,9 +153,9 @@ def whole_passes(config: Config, windows: int):
     more: every record's ``train_steps`` says how many ran)."""
     loop = config.loop
     batches = windows // loop.batch_size
-    asked = loop.max_epochs * (loop.steps_per_epoch or batches)
     if not loop.steps_per_epoch or batches >= loop.steps_per_epoch or batches == 0:
         return loop  # (no batch at all: fit names the sizes)
+    asked = loop.max_epochs * loop.steps_per_epoch
     passes = -(-asked // batches)
     logging.warning(
         "%d training windows make %d batches of %d per pass, fewer than an epoch's %d: "
