@@ -443,6 +443,28 @@ def test_report_against_a_baseline_pairs_the_same_runs_only(tmp_path, capsys):
     ]
 
 
+def test_report_noise_sets_the_evaluation_error_against_the_spread_over_seeds(tmp_path, capsys):
+    def record(model, mode, seed, score, score_std, episodes, target="corl"):
+        return {"env": "hopper", "dataset": "medium", "model": model, "seed": seed,
+                "eval": mode, "target": target, "score": score, "score_std": score_std,
+                "eval_episodes": episodes, "score_own": score,
+                "ms_per_env_step": 1.0}  # fmt: skip
+
+    # the Transformer: variance over seeds 2 (10, 12); squared standard errors 3^2 / 9 = 1 and
+    # 6^2 / 12 = 3, mean 2, all of it; Aaren's window one seed; its stream no spread at all
+    records = [record("transformer", "window", 0, 10.0, 3.0, 10),
+               record("transformer", "window", 1, 12.0, 6.0, 13),
+               record("aaren", "window", 0, 11.0, 1.0, 10),
+               record("aaren", "stream", 0, 11.0, 3.0, 10),
+               record("aaren", "stream", 1, 11.0, 3.0, 10),
+               record("transformer", "window", 2, 90.0, 3.0, 10, "data_best")]  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(records))
+    report.main([str(path), "--noise"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper")]
+    assert rows == ["| hopper medium | 1.4 / 1.4: 100% (2 seeds) | - | 0.0 / 1.0: - (2 seeds) |"]
+
+
 def test_report_names_the_machines_of_its_records():
     base = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0, "eval": "window",
             "target": "corl", "score": 1.0, "score_std": 0.0, "score_own": 1.0,

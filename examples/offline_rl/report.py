@@ -18,6 +18,9 @@ own-normalised. ``--against BASELINE``: the records' seeds paired with the same 
 another results file (e.g. the K = 60 grid against K = 20), per dataset: how many pairs
 score higher, and both means. ``--summary FILE ...``: one row per results file, its
 settings and the cells that meet the target at both targets (the README's map of the grids).
+``--noise``: per cell, the spread over seeds beside one run's evaluation error, and the share
+of the seeds' variance that evaluation accounts for (whether more episodes or more seeds would
+narrow a cell's spread).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from examples.offline_rl.evaluate import normalised  # noqa: E402
 
 COLUMNS = (("transformer", "window"), ("aaren", "window"), ("aaren", "stream"))
 HEADER = "Decision Transformer | Decision Aaren (window) | Decision Aaren (stream)"
+TARGET_NAMES = {"corl": "CORL's target", "data_best": "the data's best return"}
 
 
 def _cell(values, episode_std=None) -> str:
@@ -239,6 +243,41 @@ def fit_table(records: list[dict], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def noise_table(records: list[dict], target: str = "corl") -> str:
+    """A Markdown table, per cell and column at ``target``, of where the spread over seeds
+    comes from: the standard deviation of the score over seeds (unbiased, n - 1), one run's
+    evaluation error (the standard error of its mean over its episodes, ``score_std`` /
+    sqrt(episodes - 1), root-mean-square over the seeds), and the share of the seeds' variance
+    that this error accounts for. Near 100%, more evaluation episodes narrow the spread; near
+    0%, only more seeds do (a share above 100% is the estimate's own noise)."""
+    lines = [
+        f"At {TARGET_NAMES[target]}: "
+        "the sd over seeds (n - 1) / one run's evaluation standard error: the share of the "
+        "seeds' variance it accounts for.",
+        "",
+        f"| cell | {HEADER} |",
+        "|---|---|---|---|",
+    ]
+    records = [r for r in records if r.get("target", "corl") == target]
+    for env in ENV_IDS:
+        for ds in DATASETS:
+            by = _by_column([r for r in records if (r["env"], r["dataset"]) == (env, ds)])
+            if not any(by.values()):
+                continue
+            cells = []
+            for rows in by.values():
+                if len(rows) < 2:
+                    cells.append("-")
+                    continue
+                sd = np.std([r["score"] for r in rows], ddof=1)
+                se = np.sqrt(np.mean([r["score_std"] ** 2 / (r["eval_episodes"] - 1)
+                                      for r in rows]))  # fmt: skip
+                share = f"{100 * se**2 / sd**2:.0f}%" if sd > 0 else "-"
+                cells.append(f"{sd:.1f} / {se:.1f}: {share} ({len(rows)} seeds)")
+            lines.append(f"| {env} {ds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _run_key(r: dict) -> tuple:
     return r["env"], r["dataset"], r["model"], r.get("eval", "window"), r["seed"]
 
@@ -377,6 +416,8 @@ def main(argv=None) -> None:
                    help="pair the seeds with this results file's instead")  # fmt: skip
     p.add_argument("--summary", nargs="+", default=None, metavar="RESULTS",
                    help="one row per results file: the cells that meet the target")  # fmt: skip
+    p.add_argument("--noise", action="store_true",
+                   help="the spread over seeds against one run's evaluation error")  # fmt: skip
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="only these seeds (default: all recorded)")  # fmt: skip
     args = p.parse_args(argv)
@@ -391,6 +432,9 @@ def main(argv=None) -> None:
         records = [r for r in records if r["seed"] in args.seeds]
     if args.against:
         print(comparison_table(records, sweep_records(args.against), args.target))
+        return
+    if args.noise:
+        print(noise_table(records, args.target))  # the table is the command's output
         return
     if args.per_seed:
         print(per_seed_table(records))  # the table is the command's output
