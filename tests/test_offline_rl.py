@@ -243,6 +243,14 @@ def test_a_kept_run_is_evaluated_again_without_training(generated, tmp_path, mon
     with caplog.at_level("WARNING"):
         retrained = train.train_and_evaluate(more, str(tmp_path / "dropped"))
     assert "trained again" in caplog.text and retrained[0]["eval_episodes"] == 2
+    # a second training stopped before its first checkpoint leaves an empty folder behind:
+    # the run says it trains again, and does
+    (tmp_path / "dropped" / "checkpoints").mkdir()
+    third = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, eval_episodes=3))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        retrained = train.train_and_evaluate(third, str(tmp_path / "dropped"))
+    assert "trained again" in caplog.text and retrained[0]["fit_mse"] == first[0]["fit_mse"]
 
 
 @pytest.mark.parametrize("fold_return, rsa", [(False, False), (True, False), (False, True)])

@@ -227,8 +227,13 @@ def train_and_evaluate(
         if stored["config"].get("eval") == run.config["eval"]:
             logging.info("%s: finished already; its stored records are returned", run.path)
             return stored["records"]
-        if run.checkpoint_dir.exists():
-            logging.info("%s: finished; evaluated again from its checkpoints", run.path)
+        # a second training stopped before its first checkpoint leaves the folder empty
+        if run.checkpoint_dir.exists() and any(run.checkpoint_dir.iterdir()):
+            logging.info(
+                "%s: finished; goes on from its checkpoints (evaluated again if they hold "
+                "the finished training, else a second training resumes)",
+                run.path,
+            )
             keep_checkpoints = True  # kept once, kept for the next evaluation too
         else:
             logging.warning(
