@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from aaren_jax.native import cpu_model
-from examples.common import fit
+from examples.common import CheckpointIO, fit
 from examples.common.runs import RunDir
 from examples.offline_rl import evaluate as ev
 from examples.offline_rl.configs import D4RL_REF, ENV_IDS, TARGET_RETURNS, Config
@@ -227,8 +227,12 @@ def train_and_evaluate(
         if stored["config"].get("eval") == run.config["eval"]:
             logging.info("%s: finished already; its stored records are returned", run.path)
             return stored["records"]
-        # a second training stopped before its first checkpoint leaves the folder empty
-        if run.checkpoint_dir.exists() and any(run.checkpoint_dir.iterdir()):
+        # fit's own test: a second training stopped before its first checkpoint leaves the
+        # folder without a complete one
+        if (
+            run.checkpoint_dir.exists()
+            and CheckpointIO(run.checkpoint_dir).latest_step() is not None
+        ):
             logging.info(
                 "%s: finished; goes on from its checkpoints (evaluated again if they hold "
                 "the finished training, else a second training resumes)",
