@@ -471,6 +471,12 @@ def test_report_noise_sets_the_evaluation_error_against_the_spread_over_seeds(tm
     report.main([str(path), "--noise"])
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper")]
     assert rows == ["| hopper medium | 1.4 / 1.4: 100% (2 seeds) | - | 0.0 / 1.0: - (2 seeds) |"]
+    # one evaluation episode gives no error to set against the spread
+    records = [record("transformer", "window", s, 10.0 + 2 * s, 0.0, 1) for s in (0, 1)]
+    path.write_text(json.dumps(records))
+    report.main([str(path), "--noise"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper")]
+    assert rows == ["| hopper medium | 1.4 / no error from 1 episode (2 seeds) | - | - |"]
 
 
 def test_report_names_the_machines_of_its_records():

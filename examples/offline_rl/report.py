@@ -270,8 +270,12 @@ def noise_table(records: list[dict], target: str = "corl") -> str:
                     cells.append("-")
                     continue
                 sd = np.std([r["score"] for r in rows], ddof=1)
-                se = np.sqrt(np.mean([r["score_std"] ** 2 / (r["eval_episodes"] - 1)
-                                      for r in rows]))  # fmt: skip
+                episodes = [r.get("eval_episodes", 1) for r in rows]
+                if min(episodes) < 2:  # one episode's spread estimates nothing
+                    cells.append(f"{sd:.1f} / no error from 1 episode ({len(rows)} seeds)")
+                    continue
+                se = np.sqrt(np.mean([r["score_std"] ** 2 / (n - 1)
+                                      for r, n in zip(rows, episodes, strict=True)]))  # fmt: skip
                 share = f"{100 * se**2 / sd**2:.0f}%" if sd > 0 else "-"
                 cells.append(f"{sd:.1f} / {se:.1f}: {share} ({len(rows)} seeds)")
             lines.append(f"| {env} {ds} | " + " | ".join(cells) + " |")
