@@ -477,6 +477,13 @@ def test_report_noise_sets_the_evaluation_error_against_the_spread_over_seeds(tm
     report.main([str(path), "--noise"])
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper")]
     assert rows == ["| hopper medium | 1.4 / no error from 1 episode (2 seeds) | - | - |"]
+    # a record without its episode count gives no error either, and says why
+    for r in records:
+        del r["eval_episodes"]
+    path.write_text(json.dumps(records))
+    report.main([str(path), "--noise"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper")]
+    assert rows == ["| hopper medium | 1.4 / no episode count recorded (2 seeds) | - | - |"]
 
 
 def test_report_names_the_machines_of_its_records():

@@ -270,7 +270,10 @@ def noise_table(records: list[dict], target: str = "corl") -> str:
                     cells.append("-")
                     continue
                 sd = np.std([r["score"] for r in rows], ddof=1)
-                episodes = [r.get("eval_episodes", 1) for r in rows]
+                episodes = [r.get("eval_episodes") for r in rows]
+                if None in episodes:  # not a count to guess: the error is unknown
+                    cells.append(f"{sd:.1f} / no episode count recorded ({len(rows)} seeds)")
+                    continue
                 if min(episodes) < 2:  # one episode's spread estimates nothing
                     cells.append(f"{sd:.1f} / no error from 1 episode ({len(rows)} seeds)")
                     continue
