@@ -7,8 +7,9 @@ deviation over seeds (with one seed: over its evaluation episodes), our own norm
 (random = 0, our expert SAC policy = 100), and the milliseconds per environment step of each
 evaluation; and the issue's target per cell, for Aaren's window and stream: its mean score
 within one standard deviation of the Transformer's (over seeds) or above, with the number of
-seeds on which it is ahead (both models need 2 seeds or more), and the count of cells that
-meet it under the table, then the CPUs the records were made on. ``--target data_best``: the
+seeds on which it is ahead (both over the seeds both models recorded, 2 or more), and the
+count of cells that meet it under the table, then the CPUs the records were made on.
+``--target data_best``: the
 same for the evaluations conditioned on the dataset's best episode return instead of CORL's
 target. ``--per-seed``: every seed's score instead, both targets, one row per cell and target,
 then each run's held-out action fit (the README's per-seed tables). ``--manifest``: the
@@ -64,14 +65,21 @@ def _by_column(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return {c: [r for r in rows if (r["model"], r.get("eval", "window")) == c] for c in COLUMNS}
 
 
+def shared_seeds(transformer: list[dict], aaren: list[dict]) -> set[int]:
+    """The seeds both sides recorded: a sweep in progress can hold a seed on one side only."""
+    return {r["seed"] for r in transformer} & {r["seed"] for r in aaren}
+
+
 def verdict(transformer: list[dict], aaren: list[dict]) -> bool | None:
     """Whether Aaren's records meet the issue's target against the Transformer's: mean score
-    at least the Transformer's mean minus its standard deviation over seeds (population);
-    None with fewer than 2 seeds on either side."""
-    if len(transformer) < 2 or len(aaren) < 2:
+    at least the Transformer's mean minus its standard deviation over seeds (population),
+    both over the seeds both sides recorded; None with fewer than 2 such seeds."""
+    seeds = shared_seeds(transformer, aaren)
+    if len(seeds) < 2:
         return None
-    t = np.asarray([r["score"] for r in transformer])
-    return bool(np.mean([r["score"] for r in aaren]) >= t.mean() - t.std())
+    t = np.asarray([r["score"] for r in transformer if r["seed"] in seeds])
+    a = [r["score"] for r in aaren if r["seed"] in seeds]
+    return bool(np.mean(a) >= t.mean() - t.std())
 
 
 def _verdict_cell(transformer: list[dict], aaren: list[dict]) -> str:
@@ -137,13 +145,25 @@ def _seeds_cell(rows: list[dict], seeds: list[int]) -> str:
     return listed if len(v) == 1 else f"{listed}: {v.mean():.1f} ± {v.std():.1f}"
 
 
+def _judged(transformer: list[dict], aaren: list[dict]) -> str:
+    """The verdict in words, naming the seeds it leaves out for lack of a pair."""
+    met = verdict(transformer, aaren)
+    if met is None:
+        return "-"
+    seeds = {r["seed"] for r in transformer + aaren}
+    unpaired = sorted(seeds - shared_seeds(transformer, aaren))
+    without = f" (without seed {', '.join(map(str, unpaired))})" if unpaired else ""
+    return ("met" if met else "not met") + without
+
+
 def per_seed_table(records: list[dict]) -> str:
     """A Markdown table of every seed's score, per (environment, dataset) and target: the
     Transformer, Aaren's window and its stream, with the target's verdict for both."""
     seeds = sorted({r["seed"] for r in records})
     lines = [
         f"Seeds {' / '.join(map(str, seeds))}, then mean ± std over the seeds recorded "
-        "(D4RL-normalised, each the mean over its evaluation episodes).",
+        "(D4RL-normalised, each the mean over its evaluation episodes); each verdict over "
+        "the seeds both models recorded.",
         "",
         "| cell | target | Decision Transformer | Aaren window | Aaren stream "
         "| verdict (window / stream) |",
@@ -160,10 +180,7 @@ def per_seed_table(records: list[dict]) -> str:
                 if not rows:
                     continue
                 by = _by_column(rows)
-                verdicts = [verdict(by[COLUMNS[0]], by[c]) for c in COLUMNS[1:]]
-                judged = " / ".join(
-                    "-" if v is None else ("met" if v else "not met") for v in verdicts
-                )
+                judged = " / ".join(_judged(by[COLUMNS[0]], by[c]) for c in COLUMNS[1:])
                 cells = " | ".join(_seeds_cell(by[c], seeds) for c in COLUMNS)
                 name = "CORL" if target == "corl" else "data best"
                 lines.append(f"| {env} {ds} | {name} | {cells} | {judged} |")
