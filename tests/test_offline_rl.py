@@ -443,7 +443,9 @@ def test_report_judges_the_target_on_the_seeds_both_models_recorded(tmp_path, ca
     assert row.endswith("| not met (without seed 2) / not met (without seed 2) |")
     report.main([str(path)])
     row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| hopper"))
-    assert row.endswith("| not met (ahead 0/2) / not met (ahead 0/2) |")
+    assert row.endswith(
+        "| not met (without seed 2, ahead 0/2) / not met (without seed 2, ahead 0/2) |"
+    )
 
 
 def test_report_against_a_baseline_pairs_the_same_runs_only(tmp_path, capsys):

@@ -9,10 +9,10 @@ evaluation; and the issue's target per cell, for Aaren's window and stream: its 
 within one standard deviation of the Transformer's (over seeds) or above, with the number of
 seeds on which it is ahead (both over the seeds both models recorded, 2 or more), and the
 count of cells that meet it under the table, then the CPUs the records were made on.
-``--target data_best``: the
-same for the evaluations conditioned on the dataset's best episode return instead of CORL's
-target. ``--per-seed``: every seed's score instead, both targets, one row per cell and target,
-then each run's held-out action fit (the README's per-seed tables). ``--manifest``: the
+``--target data_best``: the same for the evaluations conditioned on the dataset's best
+episode return instead of CORL's target. ``--per-seed``: every seed's score instead, both
+targets, one row per cell and target, then each run's held-out action fit (the README's
+per-seed tables). ``--manifest``: the
 generated data instead (the generator's ``manifest.json``): per environment the behaviour
 policies' returns and the datasets' sizes and mean returns, D4RL-normalised and
 own-normalised. ``--against BASELINE``: the records' seeds paired with the same runs in
@@ -82,14 +82,20 @@ def verdict(transformer: list[dict], aaren: list[dict]) -> bool | None:
     return bool(np.mean(a) >= t.mean() - t.std())
 
 
-def _verdict_cell(transformer: list[dict], aaren: list[dict]) -> str:
+def _judged(transformer: list[dict], aaren: list[dict], ahead: bool = False) -> str:
+    """The verdict in words, naming the seeds it leaves out for lack of a pair and, with
+    ``ahead``, the paired seeds on which Aaren scores above the Transformer."""
     met = verdict(transformer, aaren)
     if met is None:
         return "-"
-    by_seed = {r["seed"]: r["score"] for r in transformer}
-    paired = [r for r in aaren if r["seed"] in by_seed]
-    ahead = sum(r["score"] > by_seed[r["seed"]] for r in paired)
-    return f"{'met' if met else 'not met'} (ahead {ahead}/{len(paired)})"
+    seeds = shared_seeds(transformer, aaren)
+    unpaired = sorted({r["seed"] for r in transformer + aaren} - seeds)
+    notes = [f"without seed {', '.join(map(str, unpaired))}"] if unpaired else []
+    if ahead:
+        by_seed = {r["seed"]: r["score"] for r in transformer}
+        paired = [r for r in aaren if r["seed"] in seeds]
+        notes.append(f"ahead {sum(r['score'] > by_seed[r['seed']] for r in paired)}/{len(paired)}")
+    return ("met" if met else "not met") + (f" ({', '.join(notes)})" if notes else "")
 
 
 def table(records: list[dict], target: str = "corl") -> str:
@@ -118,7 +124,7 @@ def table(records: list[dict], target: str = "corl") -> str:
                 for c in COLUMNS
             )
             dt = by[COLUMNS[0]]
-            verdicts = " / ".join(_verdict_cell(dt, by[c]) for c in COLUMNS[1:])
+            verdicts = " / ".join(_judged(dt, by[c], ahead=True) for c in COLUMNS[1:])
             for c in COLUMNS[1:]:
                 met[c].append(verdict(dt, by[c]))
             lines.append(
@@ -143,17 +149,6 @@ def _seeds_cell(rows: list[dict], seeds: list[int]) -> str:
     listed = " / ".join(f"{by_seed[s]:.1f}" if s in by_seed else "-" for s in seeds)
     v = np.asarray(list(by_seed.values()))
     return listed if len(v) == 1 else f"{listed}: {v.mean():.1f} ± {v.std():.1f}"
-
-
-def _judged(transformer: list[dict], aaren: list[dict]) -> str:
-    """The verdict in words, naming the seeds it leaves out for lack of a pair."""
-    met = verdict(transformer, aaren)
-    if met is None:
-        return "-"
-    seeds = {r["seed"] for r in transformer + aaren}
-    unpaired = sorted(seeds - shared_seeds(transformer, aaren))
-    without = f" (without seed {', '.join(map(str, unpaired))})" if unpaired else ""
-    return ("met" if met else "not met") + without
 
 
 def per_seed_table(records: list[dict]) -> str:
