@@ -20,9 +20,9 @@ medium policy, the random and expert returns and the datasets' sizes.
 Reproducing a draw: ``--reference <manifest.json>`` (e.g. ``results/offline_rl_manifest.json``)
 checks every snapshot's evaluated return against that manifest's entry as it is made and
 stops at the first that differs, then checks the finished entry. The draw is reproducible on
-the kinds of CPU (and MuJoCo version) that drew it only: machines of five kinds here drew
-three different Hopper agents from the same command (an Intel Xeon and AMD EPYCs of two
-kinds, all with AVX-512, drew the same one).
+the kinds of CPU (and MuJoCo version) that drew it only: machines of six kinds here drew
+three different Hopper agents from the same command (Intel Xeons of two kinds and AMD EPYCs
+of two kinds, all with AVX-512, drew the same one).
 
 Shape notation: ``N`` transitions, ``S`` observation size, ``A`` action size.
 """
