@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from aaren_jax import native
-from aaren_jax.native import cpu_model
+from aaren_jax.native import cpu_kind, cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,6 +82,8 @@ def machine_info() -> dict:
     return {
         "platform_processor": platform.processor(),
         "cpu_model": cpu_model(),
+        # the model name alone ("AMD EPYC") covers CPUs of other generations and widths
+        "cpu_kind": cpu_kind(),
         "cpu_count": os.cpu_count(),
         "load_average_at_start": load,
         "python": sys.version.split()[0],

@@ -157,6 +157,7 @@ def test_machine_info_records_what_fresh_memory_costs(monkeypatch):
     assert info["glibc_tunables"] == "glibc.malloc.hugetlb=1"
     assert info["transparent_hugepages"] in (None, "always", "madvise", "never")
     assert info["cpu_count"] >= 1 and info["cpu_model"]
+    assert info["cpu_kind"] == aj.native.cpu_kind()
     before = _common.page_faults()
     np.ones(1 << 22).sum()  # 32 MiB touched for the first time
     assert _common.page_faults() > before

@@ -17,7 +17,7 @@ pytest.importorskip("mujoco")
 
 from flax import nnx  # noqa: E402
 
-from aaren_jax.native import cpu_model  # noqa: E402
+from aaren_jax.native import cpu_kind, cpu_model  # noqa: E402
 from examples.common import default_run_dir, loop  # noqa: E402
 from examples.offline_rl import (  # noqa: E402
     conditioning,
@@ -210,6 +210,7 @@ def test_train_step_and_online_evaluation(generated, backbone, rsa, tmp_path):
         assert r["train_steps"] == 2 and r["finished"] and r.get("rsa", False) == rsa
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
         assert r["cpu_model"] == cpu_model() and r["jax"] == jax.__version__
+        assert r["cpu_kind"] == cpu_kind()
         assert r["device"] == jax.devices()[0].device_kind
         assert r["data_digest"] == data.trajectory_digest(train.load_data(cfg))
         assert r["data_manifest"] == data.manifest_fingerprint(entry)
@@ -515,13 +516,16 @@ def test_report_names_the_machines_of_its_records():
     base = {"env": "hopper", "dataset": "medium", "model": "aaren", "seed": 0, "eval": "window",
             "target": "corl", "score": 1.0, "score_std": 0.0, "score_own": 1.0,
             "ms_per_env_step": 1.0}  # fmt: skip
+    avx2 = {"cpu_model": "AMD EPYC", "cpu_kind": "family 25, model 1, AVX2"}
     records = [{**base, "cpu_model": "AMD EPYC"}, {**base, "seed": 1, "cpu_model": "AMD EPYC"},
                {**base, "seed": 2, "cpu_model": "Intel Xeon"}, {**base, "seed": 3},
                {**base, "seed": 4, "cpu_model": "AMD EPYC", "device": "NVIDIA H200"},
-               {**base, "seed": 5, "cpu_model": "Intel Xeon", "device": "cpu"}]  # fmt: skip
+               {**base, "seed": 5, "cpu_model": "Intel Xeon", "device": "cpu"},
+               {**base, "seed": 6, **avx2}]  # fmt: skip
     assert report.table(records).splitlines()[-1] == (
         "Records by machine (ms per env step compares only within one): AMD EPYC (2), "
-        "AMD EPYC + NVIDIA H200 (1), Intel Xeon (2), not recorded (1)."
+        "AMD EPYC (family 25, model 1, AVX2) (1), AMD EPYC + NVIDIA H200 (1), Intel Xeon (2), "
+        "not recorded (1)."
     )
 
 

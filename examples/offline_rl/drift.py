@@ -40,7 +40,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from aaren_jax.native import cpu_model  # noqa: E402
+from aaren_jax.native import cpu_kind, cpu_model  # noqa: E402
 from examples.common import append_record, setup_logging  # noqa: E402
 from examples.common.paths import REPO_ROOT, ensure_importable  # noqa: E402
 from examples.offline_rl import configs, train  # noqa: E402
@@ -153,6 +153,7 @@ def main(argv=None) -> dict:
         # which machine
         **train.data_provenance(cfg, traj),
         "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
         "command": "python examples/offline_rl/drift.py " + " ".join(argv or sys.argv[1:]),

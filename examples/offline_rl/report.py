@@ -337,9 +337,12 @@ def comparison_table(records: list[dict], baseline: list[dict], target: str = "c
 
 
 def machine(record: dict) -> str:
-    """The machine a record was made on: its CPU, and its accelerator if the model ran on
-    one (records from before ``device`` was recorded ran on the CPU)."""
+    """The machine a record was made on: its CPU (with its kind where recorded: one model
+    name covers CPUs of other generations), and its accelerator if the model ran on one
+    (records from before ``device`` was recorded ran on the CPU)."""
     name = record.get("cpu_model", "not recorded")
+    if "cpu_kind" in record:
+        name = f"{name} ({record['cpu_kind']})"
     device = record.get("device", "cpu")
     return name if device == "cpu" else f"{name} + {device}"
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from aaren_jax.native import cpu_model
+from aaren_jax.native import cpu_kind, cpu_model
 from examples.common import CheckpointIO, fit
 from examples.common.runs import RunDir
 from examples.offline_rl import evaluate as ev
@@ -288,6 +288,7 @@ def train_and_evaluate(
                     "wall_s": train_wall + time.perf_counter() - t0 - result.wall_s,
                     # the timings' machine; floating-point results also differ across CPUs
                     "cpu_model": cpu_model(),
+                    "cpu_kind": cpu_kind(),
                     "cpu_count": os.cpu_count(),
                     "device": jax.devices()[0].device_kind,  # "cpu", or the accelerator
                     "jax": jax.__version__,
