@@ -207,7 +207,8 @@ def test_train_step_and_online_evaluation(generated, backbone, rsa, tmp_path):
         expected = configs.TARGET_RETURNS["hopper"][0] if r["target"] == "corl" else best
         assert r["target_return"] == pytest.approx(expected)
         assert r["model"] == backbone and r["env"] == "hopper" and r["dataset"] == "medium"
-        assert r["train_steps"] == 2 and r["finished"] and r.get("rsa", False) == rsa
+        assert r["train_steps"] == r["updates_asked"] == 2 and r["finished"]
+        assert r.get("rsa", False) == rsa
         assert r["eval_episodes"] == 1 and np.isfinite(r["score"]) and r["ms_per_env_step"] > 0
         assert r["cpu_model"] == cpu_model() and r["jax"] == jax.__version__
         assert r["cpu_kind"] == cpu_kind()
@@ -605,8 +606,14 @@ def test_sweep_refuses_a_results_file_of_another_kind_of_run(tmp_path):
     ]:
         with pytest.raises(SystemExit, match=re.escape(f"another file for {kind}")):
             sweep.main([*args, *option])
-    with pytest.raises(SystemExit, match="train_steps"):
+    with pytest.raises(SystemExit, match="updates_asked"):
         sweep.main(["--results", str(results), "--dry-run", "--steps", "5000"])
+    # a small dataset's run trains whole passes, fewer updates than asked: the same kind
+    short = {**record, "dataset": "medium-replay", "train_steps": 624, "updates_asked": 2000}
+    results.write_text(json.dumps([record, short]))
+    sweep.main([*args, "--envs", "hopper", "--seeds", "1"])
+    with pytest.raises(SystemExit, match=re.escape("(20, False, False, 2000, 10)]")):
+        sweep.main(["--results", str(results), "--dry-run", "--steps", "624"])
 
 
 def test_sweep_refuses_to_mix_runs_on_other_data(generated, tmp_path, monkeypatch):

@@ -145,7 +145,8 @@ def main(argv=None) -> None:
     results = results_path(args.results, "offline_rl")
     # one results file, one kind of run, so that its table compares like with like; records
     # from before the layout options were all trained at CORL's context of 20 with the
-    # return-to-go as a token of its own
+    # return-to-go as a token of its own, and those from before ``updates_asked`` asked for
+    # the updates they ran
     cfg = run_config(args, args.envs[0], args.datasets[0], args.models[0], args.seeds[0])
     kind = (
         cfg.model.seq_len,
@@ -159,14 +160,14 @@ def main(argv=None) -> None:
             r.get("context_steps", configs.ModelConfig.seq_len),
             r.get("fold_return", False),
             r.get("rsa", False),
-            r["train_steps"],
+            r.get("updates_asked", r["train_steps"]),
             r["eval_episodes"],
         )
         for r in load_records(results)
     }
     if kinds - {kind}:
         raise SystemExit(
-            f"error: {results} holds runs with (context, fold_return, rsa, train_steps, "
+            f"error: {results} holds runs with (context, fold_return, rsa, updates_asked, "
             f"eval_episodes) {sorted(kinds)}; give --results another file for {kind}"
         )
     if args.workers > 1 and not args.dry_run:  # checked once here, not in every worker

@@ -281,6 +281,8 @@ def train_and_evaluate(
                     **({"fold_return": True} if config.model.fold_return else {}),
                     **({"rsa": True} if config.model.rsa else {}),
                     "train_steps": result.step,
+                    # what the run asked for; a small dataset trains whole passes around it
+                    "updates_asked": config.loop.max_epochs * config.loop.steps_per_epoch,
                     "finished": bool(result.done),
                     "fit_mse": result.history[-1]["val_mse"] if result.history else None,
                     "params": int(n_params),
